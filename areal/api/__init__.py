@@ -1,0 +1,1 @@
+"""Public APIs: configs, allocation strings, engine and workflow interfaces."""

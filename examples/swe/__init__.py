@@ -1,0 +1,1 @@
+"""The Arena suite: train agents on Arena Streams with GRPO."""

@@ -1,0 +1,110 @@
+"""Suite-wide settings: offline hub, GPU skipping, and a fake environment for profiles."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("NO_COLOR", "1")
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SWE_DIR = REPO_ROOT / "examples" / "swe"
+
+# Sentinel secret planted by tests; it must never appear in any saved or printed output.
+SECRET_SENTINEL = "sentinel-secret-7f3a9c1e"
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _cuda_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def profile_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The environment the Arena YAML profiles need, with a planted admin-key sentinel."""
+    env = {
+        "AREAL_FILEROOT": str(tmp_path / "fileroot"),
+        "SWE_RL_ADMIN_API_KEY": SECRET_SENTINEL,
+        "MODEL_PATH": "/shared/models/qwen3-4b",
+        "AREAL_IMAGE": "/shared/images/areal.sif",
+        "AREAL_PYTHON": "/opt/venv/bin/python",
+        "AREAL_DIR": "/shared/src/areal",
+        "ARENA_OPENAPI_BASE": "https://arena.example.test",
+        "ROLLOUT_IMAGE": "/shared/images/sglang.sif",
+        "FLASH_LINEAR_ATTENTION_ROOT": "/shared/src/fla",
+        "AWEX_ROOT": "/shared/src/awex",
+        "DATASET_CONFIG": str(SWE_DIR / "dataset_configs" / "flash-v3-multi-stream.yaml"),
+    }
+    for name in (
+        "TRIAL_NAME",
+        "ARENA_STREAM_ID",
+        "EXPERIMENT_NAME",
+        "RANK",
+        "TOTAL_TRAIN_EPOCHS",
+        "TOTAL_TRAIN_STEPS",
+        "N_SAMPLES",
+        "MAX_NEW_TOKENS",
+        "MAX_TOKENS",
+        "ROLLOUT_BACKEND",
+        "MAX_CONCURRENT_ROLLOUTS",
+        "ROLLOUT_RUNTIME_PYTHONPATH",
+        "ACTOR_RUNTIME_PYTHONPATH",
+        "AWEX_COLOCATE_TIMEOUT_S",
+        "ARENA_PROXY_IDLE_TIMEOUT",
+        "ARENA_TASK_TIMEOUT",
+        "ACTOR_BACKEND",
+        "ACTOR_N_MBS",
+        "ACTOR_MAX_TOKENS_PER_MB",
+        "ACTOR_N_MBS_DIVISOR",
+        "ACTOR_LR",
+        "ARENA_LLM_ROUTE_MODE",
+        "ARENA_TASK_WAIT_TIMEOUT",
+        "ARENA_MIXTURE_EPOCH_SIZE",
+        "CONTEXT_LENGTH",
+        "SGLANG_ATTENTION_BACKEND",
+        "SGLANG_MAX_PREFILL_TOKENS",
+        "SGLANG_CHUNKED_PREFILL_SIZE",
+        "SGLANG_MAX_RUNNING_REQUESTS",
+        "SGLANG_MEM_FRACTION_STATIC",
+        "SGLANG_DISABLE_CUDA_GRAPH",
+        "TRAIN_BATCH_SIZE",
+        "ARENA_DATASET_SHUFFLE",
+        "N_NODES",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return env
+
+
+@pytest.fixture
+def areal_logs(caplog: pytest.LogCaptureFixture):
+    """caplog for the ``areal`` loggers (which do not propagate to the root logger)."""
+    import logging
+
+    from areal.utils import logging as areal_logging
+
+    root = areal_logging.getLogger()
+    root.addHandler(caplog.handler)
+    caplog.set_level(logging.DEBUG, logger="areal")
+    try:
+        yield caplog
+    finally:
+        root.removeHandler(caplog.handler)
