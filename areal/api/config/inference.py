@@ -372,30 +372,9 @@ class SGLangConfig(ConfigNode):
         return args
 
     @staticmethod
-    def build_cmd(
-        sglang_config: SGLangConfig,
-        tp_size: int,
-        base_gpu_id: int,
-        host: str | None = None,
-        port: int | None = None,
-        dist_init_addr: str | None = None,
-        n_nodes: int = 1,
-        node_rank: int = 0,
-        pp_size: int = 1,
-        python: str = "python3",
-    ) -> list[str]:
-        """argv of ``python -m sglang.launch_server`` for one server."""
-        args = SGLangConfig.build_args(
-            sglang_config,
-            tp_size=tp_size,
-            base_gpu_id=base_gpu_id,
-            host=host,
-            port=port,
-            dist_init_addr=dist_init_addr,
-            n_nodes=n_nodes,
-            node_rank=node_rank,
-            pp_size=pp_size,
-        )
+    def build_cmd(sglang_config: SGLangConfig, python: str = "python3", **launch: Any) -> list[str]:
+        """argv of ``python -m sglang.launch_server``; ``launch`` as for :meth:`build_args`."""
+        args = SGLangConfig.build_args(sglang_config, **launch)
         return get_py_cmd("sglang.launch_server", args, python=python)
 
 
