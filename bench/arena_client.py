@@ -28,7 +28,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.table import render_table  # noqa: E402
+from areal.utils.table import render_table  # noqa: E402
 from examples.swe.arena_client import ArenaOpenAPIClient  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "arena_client.json"
