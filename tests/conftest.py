@@ -108,3 +108,19 @@ def areal_logs(caplog: pytest.LogCaptureFixture):
         yield caplog
     finally:
         root.removeHandler(caplog.handler)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 model with a BPE tokenizer, built offline once per session."""
+    from areal.utils.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same architecture with other random weights (a 'new checkpoint')."""
+    from areal.utils.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-b"), seed=1)

@@ -1,0 +1,1 @@
+"""Engines: the remote inference engine (SGLang API) and, later, training engines."""

@@ -1,0 +1,179 @@
+"""Request builders for servers that speak SGLang's native HTTP API.
+
+``SGLangBackend`` builds and parses the calls of §6.3 (generation, pause, weight updates,
+memory release) and the ``sglang.launch_server`` command; ``HFBackend`` is the same API
+served by this port's embedded server, with its own launch command.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from areal.api.cli_args import SGLangConfig
+from areal.api.io_struct import (
+    HttpGenerationResult,
+    HttpRequest,
+    ModelRequest,
+    ParamSpec,
+    WeightUpdateMeta,
+    WeightUpdateRequests,
+)
+from areal.utils.command import get_py_cmd
+
+__all__ = ["ABORT_BEFORE_PREFILL", "HFBackend", "SGLangBackend"]
+
+ABORT_BEFORE_PREFILL = "Abort before prefill"
+
+
+class SGLangBackend:
+    """Builds SGLang HTTP requests and parses their responses."""
+
+    name = "sglang"
+
+    def build_generation_request(
+        self, req: ModelRequest, max_new_tokens: int, version: int, with_lora: bool = False
+    ) -> HttpRequest:
+        g = req.gconfig
+        params: dict[str, Any] = {
+            "top_p": g.top_p,
+            "top_k": g.top_k,
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0 if g.greedy else g.temperature,
+            "stop_token_ids": list(g.stop_token_ids),
+            "ignore_eos": g.ignore_eos,
+            "skip_special_tokens": g.skip_special_tokens,
+            "frequency_penalty": g.frequency_penalty,
+        }
+        if g.min_new_tokens:
+            params["min_new_tokens"] = g.min_new_tokens
+        if g.stop:
+            params["stop"] = list(g.stop)
+        if g.seed is not None:
+            params["sampling_seed"] = g.seed
+        payload: dict[str, Any] = {
+            "input_ids": list(req.input_ids),
+            "sampling_params": params,
+            "return_logprob": True,
+            "stream": False,
+        }
+        if req.image_data:
+            payload["image_data"] = req.image_data
+        if with_lora:
+            payload["lora_path"] = f"{g.lora_name}-v{version}"
+        return HttpRequest("/generate", payload)
+
+    def parse_generation_response(self, response: dict[str, Any]) -> HttpGenerationResult:
+        meta = response["meta_info"]
+        finish = meta["finish_reason"]
+        reason = finish["type"]
+        if reason == "abort" and str(finish.get("message", "")).startswith(ABORT_BEFORE_PREFILL):
+            return HttpGenerationResult([], [], "abort")
+        pairs = meta.get("output_token_logprobs") or []
+        tokens = [int(p[1]) for p in pairs]
+        logprobs = [float(p[0]) for p in pairs]
+        output_ids = response.get("output_ids")
+        if output_ids is not None and list(output_ids) != tokens:
+            raise RuntimeError("server output_ids and output_token_logprobs disagree")
+        if any(lp != lp or lp in (float("inf"), float("-inf")) for lp in logprobs):
+            raise RuntimeError("server returned non-finite log-probs")
+        return HttpGenerationResult(tokens, logprobs, reason)
+
+    def build_disk_weight_update_requests(self, meta: WeightUpdateMeta) -> WeightUpdateRequests:
+        return WeightUpdateRequests(
+            [
+                HttpRequest(
+                    "/update_weights_from_disk",
+                    {"model_path": meta.path, "abort_all_requests": True},
+                )
+            ]
+        )
+
+    def build_init_weights_group_request(
+        self, server_idx: int, meta: WeightUpdateMeta, pp_rank: int | None = None
+    ) -> HttpRequest:
+        tp, pp = meta.gen_tp_size, meta.gen_pp_size
+        payload: dict[str, Any] = {
+            "master_address": meta.nccl_master_address,
+            "master_port": str(meta.nccl_master_port),
+            "backend": "nccl",
+        }
+        if pp_rank is None:
+            payload.update(
+                rank_offset=1 + server_idx * tp * pp,
+                world_size=meta.gen_world_size + 1,
+                group_name=meta.nccl_group_name,
+            )
+        else:  # one group per pipeline stage
+            payload.update(
+                rank_offset=1 + server_idx * tp,
+                world_size=meta.gen_n_servers * tp + 1,
+                group_name=f"{meta.nccl_group_name}_{pp_rank}",
+                pp_rank=pp_rank,
+            )
+        return HttpRequest("/init_weights_update_group", payload)
+
+    def build_distributed_weight_update_requests(
+        self, meta: WeightUpdateMeta, param_specs: list[ParamSpec], group_name: str | None = None
+    ) -> WeightUpdateRequests:
+        payload = {
+            "names": [p.name for p in param_specs],
+            "dtypes": [p.dtype for p in param_specs],
+            "shapes": [list(p.shape) for p in param_specs],
+            "group_name": group_name or meta.nccl_group_name,
+            "abort_all_requests": True,
+        }
+        return WeightUpdateRequests([HttpRequest("/update_weights_from_distributed", payload)])
+
+    def pause_requests(self) -> list[HttpRequest]:
+        return [
+            HttpRequest("/pause_generation", {}),
+            HttpRequest("/pause_generation", {"mode": "in_place"}),
+        ]
+
+    def continue_request(self) -> HttpRequest:
+        return HttpRequest("/continue_generation", {})
+
+    def abort_all_request(self) -> HttpRequest:
+        return HttpRequest("/abort_request", {"abort_all": True})
+
+    def offload_request(self, tags: list[str] | None) -> HttpRequest:
+        return HttpRequest("/release_memory_occupation", {"tags": tags} if tags else {})
+
+    def onload_request(self, tags: list[str] | None) -> HttpRequest:
+        return HttpRequest("/resume_memory_occupation", {"tags": tags} if tags else {})
+
+    def launch_command(self, server_args: dict[str, Any]) -> list[str]:
+        """argv of one server (``host``/``port`` included in ``server_args``)."""
+        return get_py_cmd("sglang.launch_server", server_args, python=sys.executable)
+
+    def server_args(
+        self, sglang: SGLangConfig, host: str, port: int, tp_size: int = 1, base_gpu_id: int = 0
+    ) -> dict[str, Any]:
+        return SGLangConfig.build_args(
+            sglang, tp_size=tp_size, base_gpu_id=base_gpu_id, host=host, port=port
+        )
+
+
+class HFBackend(SGLangBackend):
+    """The embedded ``transformers`` server (``python -m areal.inference.server``)."""
+
+    name = "hf"
+
+    def launch_command(self, server_args: dict[str, Any]) -> list[str]:
+        return get_py_cmd("areal.inference.server", server_args, python=sys.executable)
+
+    def server_args(
+        self, sglang: SGLangConfig, host: str, port: int, tp_size: int = 1, base_gpu_id: int = 0
+    ) -> dict[str, Any]:
+        if tp_size != 1:
+            raise ValueError("the embedded hf server runs one device per server; use t1")
+        return {
+            "model_path": sglang.model_path,
+            "host": host,
+            "port": port,
+            "dtype": sglang.dtype if sglang.dtype in ("float32", "bfloat16", "float16") else "auto",
+            "context_length": sglang.context_length,
+            "max_running_requests": sglang.max_running_requests,
+            "random_seed": sglang.random_seed,
+        }

@@ -1,0 +1,453 @@
+"""Client of inference servers that speak SGLang's native HTTP API.
+
+``RemoteSGLangEngine`` drives SGLang servers (backend ``sglang``) and this port's embedded
+server (backend ``hf``) with the same requests: ``/generate`` with token ids and
+log-probs, pause and continue, abort, weight updates from disk or over NCCL, memory
+release. ``agenerate`` is *interruptible*: when a weight update aborts a request, the
+partial output is kept and generation continues from it on the new weights, each token
+tagged with the version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import os
+import random
+import subprocess
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from areal.api.cli_args import InferenceEngineConfig
+from areal.api.engine_api import InferenceEngine
+from areal.api.io_struct import (
+    HttpRequest,
+    LocalInfServerInfo,
+    ModelRequest,
+    ModelResponse,
+    ParamSpec,
+    WeightUpdateMeta,
+)
+from areal.engine.sglang_backend import HFBackend, SGLangBackend
+from areal.infra import workflow_context
+from areal.infra.workflow_executor import WorkflowExecutor
+from areal.utils import logging, name_resolve, names
+from areal.utils.network import find_free_port, gethostip
+
+__all__ = ["HFBackend", "RemoteInfEngine", "RemoteSGLangEngine", "SGLangBackend"]
+
+logger = logging.getLogger("engine.remote")
+
+DONE_REASONS = ("stop", "tool_calls", "length")
+STICKY_RIDS = 128
+
+
+class RemoteInfEngine(InferenceEngine):
+    """An inference engine over HTTP servers (see the module docstring)."""
+
+    def __init__(self, config: InferenceEngineConfig, backend: SGLangBackend):
+        self.config = config
+        self.backend = backend
+        self.addresses: list[str] = []
+        self.local_servers: list[LocalInfServerInfo] = []
+        self._version = 0
+        self._server_index = 0
+        self._sticky: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=8, thread_name_prefix="infer-ops"
+        )
+        self.workflow_executor: WorkflowExecutor | None = None
+        self._initialized = False
+
+    # --- lifecycle ---
+
+    def initialize(
+        self,
+        engine_id: str | None = None,
+        addr: str | list[str] | None = None,
+        train_data_parallel_size: int | None = None,
+    ) -> None:
+        self.addresses = self._discover(addr)
+        for address in self.addresses:
+            self._wait_healthy(address)
+        self._server_index = random.randrange(len(self.addresses))
+        self.workflow_executor = WorkflowExecutor(self.config, self)
+        self.workflow_executor.initialize()
+        self._initialized = True
+        logger.info(
+            "inference engine ready on %d server(s): %s", len(self.addresses), self.addresses
+        )
+
+    def _discover(self, addr: str | list[str] | None) -> list[str]:
+        if addr:
+            return [addr] if isinstance(addr, str) else list(addr)
+        if self.local_servers:
+            return [s.address for s in self.local_servers]
+        if self.config.experiment_name and self.config.trial_name:
+            try:
+                key = names.gen_servers(self.config.experiment_name, self.config.trial_name)
+                name_resolve.wait(key + "/0", timeout=1)
+                found = name_resolve.get_subtree(key)
+                if found:
+                    return found
+            except (TimeoutError, KeyError, OSError):
+                pass
+        env = os.environ.get("AREAL_LLM_SERVER_ADDRS", "")
+        if env.strip():
+            return [a.strip() for a in env.split(",") if a.strip()]
+        raise RuntimeError(
+            "no inference server address: pass addr=, launch servers, or set AREAL_LLM_SERVER_ADDRS"
+        )
+
+    def _wait_healthy(self, address: str, process: subprocess.Popen | None = None) -> None:
+        deadline = time.monotonic() + self.config.setup_timeout
+        last_log = time.monotonic()
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(
+                    f"inference server {address} exited with code {process.returncode}"
+                )
+            try:
+                if httpx.get(f"http://{address}/health", timeout=30).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"inference server {address} not healthy after {self.config.setup_timeout}s"
+                )
+            if time.monotonic() - last_log > 60:
+                logger.info("waiting for inference server %s", address)
+                last_log = time.monotonic()
+            time.sleep(1)
+
+    def destroy(self) -> None:
+        if self.workflow_executor is not None:
+            self.workflow_executor.destroy()
+            self.workflow_executor = None
+        self.teardown_server()
+        self._pool.shutdown(wait=False)
+        self._initialized = False
+
+    @property
+    def initialized(self) -> bool:
+        return self._initialized
+
+    def launch_server(self, server_args: dict[str, Any]) -> LocalInfServerInfo:
+        """Start one local server; ``host``/``port`` are filled in when absent."""
+        args = dict(server_args)
+        args.setdefault("host", gethostip())
+        args["port"] = args.get("port") or find_free_port()
+        env = dict(os.environ)
+        env["TRITON_CACHE_PATH"] = os.path.join(
+            os.environ.get("AREAL_CACHE_DIR", f"/tmp/areal-{os.getuid()}"),
+            f"triton-{uuid.uuid4().hex[:8]}",
+        )
+        process = subprocess.Popen(self.backend.launch_command(args), env=env)
+        info = LocalInfServerInfo(host=args["host"], port=int(args["port"]), process=process)
+        try:
+            self._wait_healthy(info.address, process)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        self.local_servers.append(info)
+        return info
+
+    def teardown_server(self) -> None:
+        for server in self.local_servers:
+            server.process.terminate()
+        for server in self.local_servers:
+            try:
+                server.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+        self.local_servers = []
+
+    # --- versions and pausing ---
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+        if self.workflow_executor is not None:
+            self.workflow_executor.notify()
+
+    def get_version(self) -> int:
+        return self._version
+
+    def pause(self) -> None:
+        self._executor().pause()
+
+    def resume(self) -> None:
+        self._executor().resume()
+
+    def _executor(self) -> WorkflowExecutor:
+        if self.workflow_executor is None:
+            raise RuntimeError("initialize() the inference engine first")
+        return self.workflow_executor
+
+    # --- generation ---
+
+    def _choose_server(self, rid: str) -> str:
+        if rid in self._sticky:
+            self._sticky.move_to_end(rid)
+            return self._sticky[rid]
+        address = self.addresses[self._server_index % len(self.addresses)]
+        self._server_index += 1
+        self._sticky[rid] = address
+        if len(self._sticky) > STICKY_RIDS:
+            self._sticky.popitem(last=False)
+        return address
+
+    async def _post_json(
+        self, address: str, request: HttpRequest, retries: int, timeout: float
+    ) -> Any:
+        import aiohttp
+
+        session = await workflow_context.get_aiohttp_session()
+        last: Exception | None = None
+        for attempt in range(retries):
+            try:
+                async with session.request(
+                    request.method,
+                    f"http://{address}{request.endpoint}",
+                    json=request.payload,
+                    timeout=aiohttp.ClientTimeout(total=timeout),
+                ) as response:
+                    if response.status >= 300:
+                        body = (await response.text())[:500]
+                        raise RuntimeError(
+                            f"{request.endpoint} on {address}: HTTP {response.status}: {body}"
+                        )
+                    return await response.json(content_type=None)
+            except (aiohttp.ClientError, TimeoutError, RuntimeError) as e:
+                last = e
+                if attempt < retries - 1:
+                    await asyncio.sleep(1)
+        raise RuntimeError(
+            f"{request.endpoint} on {address} failed after {retries} attempts: {last}"
+        )
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate for one request, surviving aborts caused by weight updates."""
+        if req.gconfig.n_samples != 1:
+            raise ValueError("agenerate takes one sample per request (gconfig.n_samples == 1)")
+        g = req.gconfig
+        budget = min(g.max_tokens - len(req.input_ids), g.max_new_tokens)
+        if budget <= 0:
+            raise RuntimeError(
+                f"no token budget left: prompt of {len(req.input_ids)} tokens with max_tokens "
+                f"{g.max_tokens}"
+            )
+        start = time.perf_counter()
+        address = self._choose_server(req.rid)
+        input_ids = list(req.input_ids)
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        reason = "abort"
+        while reason not in DONE_REASONS and len(tokens) < budget:
+            while self.workflow_executor is not None and self.workflow_executor.is_paused:
+                await asyncio.sleep(0.5)
+            version = self.get_version()
+            request = self.backend.build_generation_request(
+                ModelRequest(
+                    input_ids=input_ids, gconfig=g, rid=req.rid, image_data=req.image_data
+                ),
+                max_new_tokens=budget - len(tokens),
+                version=version,
+                with_lora=self.config.use_lora,
+            )
+            response = await self._post_json(
+                address, request, self.config.request_retries, self.config.request_timeout
+            )
+            result = self.backend.parse_generation_response(response)
+            reason = result.stop_reason
+            tokens += result.output_tokens
+            logprobs += result.output_logprobs
+            versions += [version] * len(result.output_tokens)
+            input_ids += result.output_tokens
+        if reason == "abort":
+            reason = "length"
+        latency = time.perf_counter() - start
+        return ModelResponse(
+            input_tokens=list(req.input_ids),
+            output_tokens=tokens,
+            output_logprobs=logprobs,
+            output_versions=versions,
+            stop_reason=reason,
+            latency=latency,
+            ttft=latency,
+            tokenizer=req.tokenizer,
+            stop_token_ids=list(g.stop_token_ids),
+        )
+
+    # --- operations on every server ---
+
+    def _fan_out(self, requests: list[HttpRequest], retries: int) -> None:
+        """Send each request (in order) to every server concurrently."""
+
+        def send(address: str) -> None:
+            for request in requests:
+                last: Exception | None = None
+                for attempt in range(retries):
+                    try:
+                        response = httpx.post(
+                            f"http://{address}{request.endpoint}",
+                            json=request.payload,
+                            timeout=self.config.request_timeout,
+                        )
+                        if response.status_code < 300:
+                            break
+                        last = RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+                    except httpx.HTTPError as e:
+                        last = e
+                    if attempt < retries - 1:
+                        time.sleep(1)
+                else:
+                    raise RuntimeError(f"{request.endpoint} on {address} failed: {last}")
+
+        futures = [self._pool.submit(send, address) for address in self.addresses]
+        for future in futures:
+            future.result()
+
+    def pause_generation(self) -> None:
+        """Abort in-flight requests on every server and hold new ones."""
+        self._fan_out(self.backend.pause_requests(), self.config.request_retries)
+        if self.config.pause_grace_period:
+            time.sleep(self.config.pause_grace_period)
+
+    def continue_generation(self) -> None:
+        self._fan_out([self.backend.continue_request()], self.config.request_retries)
+
+    def abort_all(self) -> None:
+        self._fan_out([self.backend.abort_all_request()], self.config.request_retries)
+
+    def offload(self, tags: list[str] | None = None) -> None:
+        self._fan_out([self.backend.offload_request(tags)], self.config.request_retries)
+
+    def onload(self, tags: list[str] | None = None) -> None:
+        self._fan_out([self.backend.onload_request(tags)], self.config.request_retries)
+
+    def update_weights_from_disk(self, meta: WeightUpdateMeta) -> concurrent.futures.Future:
+        """Load ``meta.path`` on every server once the trainer has published it."""
+
+        def run() -> None:
+            exp, trial = self.config.experiment_name, self.config.trial_name
+            if exp and trial and meta.version is not None:
+                name_resolve.wait(
+                    names.update_weights_from_disk(exp, trial, meta.version), timeout=120
+                )
+            self._fan_out(
+                self.backend.build_disk_weight_update_requests(meta).requests,
+                self.config.request_retries,
+            )
+
+        return self._pool.submit(run)
+
+    def init_weights_update_group(
+        self, meta: WeightUpdateMeta, xccl_group_ranks: list[int] | None = None
+    ) -> concurrent.futures.Future:
+        """Every server joins the NCCL group the trainer broadcasts weights on (one try)."""
+
+        def run() -> None:
+            requests = {
+                address: self.backend.build_init_weights_group_request(i, meta)
+                for i, address in enumerate(self.addresses)
+            }
+            self._send_once(requests)
+
+        return self._pool.submit(run)
+
+    def update_weights_from_distributed(
+        self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]
+    ) -> concurrent.futures.Future:
+        """Every server receives one bucket of broadcast tensors (one try)."""
+
+        def run() -> None:
+            request = self.backend.build_distributed_weight_update_requests(
+                meta, param_specs
+            ).requests[0]
+            self._send_once({address: request for address in self.addresses})
+
+        return self._pool.submit(run)
+
+    def _send_once(self, requests: dict[str, HttpRequest]) -> None:
+        """One attempt each: a retry could not rejoin a collective operation."""
+
+        def send(address: str, request: HttpRequest) -> None:
+            response = httpx.post(
+                f"http://{address}{request.endpoint}",
+                json=request.payload,
+                timeout=self.config.request_timeout,
+            )
+            if response.status_code >= 300:
+                raise RuntimeError(
+                    f"{request.endpoint} on {address}: HTTP {response.status_code}: "
+                    f"{response.text[:300]}"
+                )
+
+        futures = [self._pool.submit(send, a, r) for a, r in requests.items()]
+        for future in futures:
+            future.result()
+
+    # --- rollouts (delegated to the workflow executor) ---
+
+    def submit(
+        self, data: Any, workflow: Any, workflow_kwargs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> int:
+        return self._executor().submit(data, workflow, workflow_kwargs, **kwargs)
+
+    def wait(
+        self, count: int, timeout: float | None = None, raise_timeout: bool = True
+    ) -> list[Any]:
+        return self._executor().wait(count, timeout=timeout, raise_timeout=raise_timeout)
+
+    def wait_for_task(
+        self, task_id: int, timeout: float | None = None, raise_timeout: bool = True
+    ) -> Any:
+        return self._executor().wait_for_task(task_id, timeout=timeout, raise_timeout=raise_timeout)
+
+    def rollout_batch(
+        self,
+        data: list[Any],
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        return self._executor().rollout_batch(data, workflow, workflow_kwargs, **kwargs)
+
+    def prepare_batch(
+        self,
+        dataloader: Any,
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> list[Any]:
+        return self._executor().prepare_batch(dataloader, workflow, workflow_kwargs, **kwargs)
+
+    def export_stats(self) -> dict[str, float]:
+        from areal.utils import stats_tracker
+
+        return stats_tracker.get("rollout").export()
+
+
+class RemoteSGLangEngine(RemoteInfEngine):
+    """The engine the YAMLs name: SGLang servers, or the embedded server for ``hf``."""
+
+    def __init__(self, config: InferenceEngineConfig, backend: SGLangBackend | None = None):
+        if backend is None:
+            backend = HFBackend() if _backend_kind(config.backend) == "hf" else SGLangBackend()
+        super().__init__(config, backend)
+
+
+def _backend_kind(backend: str) -> str:
+    """``hf`` or ``sglang`` from an allocation string (``sglang`` when it is not set)."""
+    from areal.api.alloc_mode import ModelAllocation
+
+    if not isinstance(backend, str) or ":" not in backend:
+        return "sglang"
+    return ModelAllocation.from_str(backend).backend

@@ -1,0 +1,1 @@
+"""Embedded inference server on transformers (backend "hf"), SGLang-API compatible."""

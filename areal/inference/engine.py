@@ -1,0 +1,455 @@
+"""The generation loop of the embedded inference server (one background thread).
+
+Requests queue up; each iteration the thread admits waiting requests (prefilled together,
+then merged into the running batch) and advances every running request by one token.
+Control commands (pause, abort, weight reload, ...) run between iterations, so a forward
+pass never races a weight swap. Results go back through ``concurrent.futures.Future``.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from areal.inference.batch import RunningBatch, cache_kwarg, prefill_inputs
+from areal.inference.sampling import SamplingParams, sample_tokens
+from areal.utils import logging
+
+__all__ = ["GenerationEngine", "GenerationRequest", "GenerationResult", "RequestError"]
+
+logger = logging.getLogger("inference.engine")
+
+ABORT_BEFORE_PREFILL = "Abort before prefill"
+
+
+class RequestError(ValueError):
+    """A request the server refuses (reported as HTTP 400, naming the field)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class GenerationRequest:
+    input_ids: list[int]
+    params: SamplingParams
+    rid: str
+
+
+@dataclass
+class GenerationResult:
+    rid: str
+    prompt_tokens: int
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: dict[str, Any]
+    latency: float
+    ttft: float | None
+
+
+@dataclass
+class _Sequence:
+    request: GenerationRequest
+    future: concurrent.futures.Future
+    stop_ids: set[int]
+    max_new_tokens: int
+    generator: torch.Generator | None
+    created: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+
+
+class GenerationEngine:
+    """Continuous batching over a ``transformers`` causal LM."""
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        device: str | None = None,
+        dtype: str = "auto",
+        context_length: int | None = None,
+        max_running_requests: int = 64,
+        max_prefill_tokens: int = 16384,
+        seed: int = 0,
+    ):
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.model_path = str(model_path)
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if dtype == "auto":
+            dtype = "bfloat16" if self.device.type == "cuda" else "float32"
+        self.dtype = getattr(torch, dtype)
+        torch.manual_seed(seed)
+        config = AutoConfig.from_pretrained(self.model_path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_path, dtype=self.dtype, attn_implementation="sdpa"
+        ).to(self.device)
+        self.model.eval()
+        self.vocab_size = int(config.vocab_size)
+        max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        self.context_length = int(context_length or max_positions or 32768)
+        self.max_running = max_running_requests
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_ids = self._eos_ids(config)
+        self.tokenizer = self._load_tokenizer()
+        self._cache_kw = cache_kwarg(self.model)
+
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[_Sequence] = collections.deque()
+        self._running: list[_Sequence] = []
+        self._batch = RunningBatch()
+        self._commands: collections.deque[tuple[str, dict, concurrent.futures.Future]] = (
+            collections.deque()
+        )
+        self._wake = threading.Event()
+        self._paused = False
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
+        self.stats = collections.Counter()
+
+    # --- setup ---
+
+    def _eos_ids(self, config) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), config):
+            value = getattr(source, "eos_token_id", None)
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(int(v) for v in value)
+        return ids
+
+    def _load_tokenizer(self):
+        try:
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(self.model_path)
+        except (OSError, ValueError):
+            return None  # token-id-only serving still works; stop strings do not
+
+    def start(self) -> GenerationEngine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout=30)
+
+    # --- public, thread-safe API ---
+
+    def validate(self, request: GenerationRequest) -> None:
+        ids = request.input_ids
+        if not ids:
+            raise RequestError("input_ids must not be empty", "input_ids")
+        for i, token in enumerate(ids):
+            if (
+                isinstance(token, bool)
+                or not isinstance(token, int)
+                or not 0 <= token < self.vocab_size
+            ):
+                raise RequestError(
+                    f"input_ids[{i}]: token id {token!r} is outside the vocabulary "
+                    f"(size {self.vocab_size})",
+                    "input_ids",
+                )
+        if len(ids) >= self.context_length:
+            raise RequestError(
+                f"The input ({len(ids)} tokens) is longer than the model's context length "
+                f"({self.context_length} tokens).",
+                "input_ids",
+            )
+        p = request.params
+        if len(ids) + p.max_new_tokens >= self.context_length:
+            raise RequestError(
+                f"Requested token count exceeds the model's maximum context length of "
+                f"{self.context_length} tokens. You requested a total of "
+                f"{len(ids) + p.max_new_tokens} tokens: {len(ids)} tokens from the input "
+                f"and {p.max_new_tokens} tokens for the completion. Please reduce the "
+                "number of tokens in the input or the completion.",
+                "sampling_params.max_new_tokens",
+            )
+        if p.stop and self.tokenizer is None:
+            raise RequestError(
+                "stop strings need a tokenizer next to the model", "sampling_params.stop"
+            )
+
+    def submit(self, request: GenerationRequest) -> concurrent.futures.Future:
+        """Queue a request; its future resolves to a :class:`GenerationResult`."""
+        self.validate(request)
+        params = request.params
+        generator = None
+        if params.sampling_seed is not None and params.temperature > 0:
+            generator = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.eos_ids
+        seq = _Sequence(
+            request=request,
+            future=concurrent.futures.Future(),
+            stop_ids=stop_ids,
+            max_new_tokens=params.max_new_tokens,
+            generator=generator,
+        )
+        with self._lock:
+            self._waiting.append(seq)
+        self._wake.set()
+        return seq.future
+
+    def command(self, name: str, **kwargs: Any) -> concurrent.futures.Future:
+        """Run a control command between iterations (``pause``, ``continue``, ``abort``,
+        ``update_weights``, ``release``, ``resume``)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._commands.append((name, kwargs, future))
+        self._wake.set()
+        return future
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def load(self) -> dict[str, int]:
+        with self._lock:
+            return {"running": len(self._running), "waiting": len(self._waiting)}
+
+    # --- the loop ---
+
+    def _loop(self) -> None:
+        while not self._stopping:
+            self._run_commands()
+            if self._paused or (not self._running and not self._waiting):
+                self._wake.wait(timeout=0.1)
+                self._wake.clear()
+                continue
+            try:
+                with torch.inference_mode():
+                    self._admit()
+                    if self._running:
+                        self._decode()
+            except Exception as e:  # never let one bad batch kill the server
+                logger.exception("generation step failed; aborting the running batch")
+                self._fail_running(e)
+        self._abort_all("server shutting down", include_waiting=True)
+
+    def _run_commands(self) -> None:
+        while True:
+            with self._lock:
+                if not self._commands:
+                    return
+                name, kwargs, future = self._commands.popleft()
+            try:
+                future.set_result(getattr(self, f"_cmd_{name}")(**kwargs))
+            except Exception as e:
+                future.set_exception(e)
+
+    def _take_waiting(self) -> list[_Sequence]:
+        group: list[_Sequence] = []
+        longest = 0
+        with self._lock:
+            while self._waiting and len(self._running) + len(group) < self.max_running:
+                seq = self._waiting[0]
+                longest_if_added = max(longest, len(seq.request.input_ids))
+                if group and longest_if_added * (len(group) + 1) > self.max_prefill_tokens:
+                    break
+                group.append(self._waiting.popleft())
+                longest = longest_if_added
+        return group
+
+    def _admit(self) -> None:
+        group = self._take_waiting()
+        if not group:
+            return
+        inputs = prefill_inputs([s.request.input_ids for s in group], self.device)
+        cache = DynamicCache()
+        out = self.model(**inputs, **{self._cache_kw: cache}, use_cache=True)
+        tokens = self._sample(out.logits[:, -1], group)
+        keep = self._record(group, tokens)
+        self.stats["prefill_tokens"] += int(inputs["attention_mask"].sum())
+        if keep:
+            staged = RunningBatch()
+            staged.merge(cache, inputs["attention_mask"], tokens[0])
+            staged.keep(keep)
+            self._batch.merge(staged.cache, staged.mask, staged.next_tokens)
+            self._running.extend(group[i] for i in keep)
+
+    def _decode(self) -> None:
+        out = self.model(
+            **self._batch.decode_inputs(), **{self._cache_kw: self._batch.cache}, use_cache=True
+        )
+        tokens = self._sample(out.logits[:, -1], self._running)
+        self._batch.advance(tokens[0])
+        keep = self._record(self._running, tokens)
+        self._running = [self._running[i] for i in keep]
+        self._batch.keep(keep)
+        self.stats["decode_steps"] += 1
+
+    def _sample(
+        self, logits: torch.Tensor, seqs: list[_Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return sample_tokens(
+            logits,
+            [s.request.params for s in seqs],
+            [s.output_ids for s in seqs],
+            [s.stop_ids for s in seqs],
+            [s.generator for s in seqs],
+        )
+
+    def _record(
+        self, seqs: list[_Sequence], sampled: tuple[torch.Tensor, torch.Tensor]
+    ) -> list[int]:
+        """Append each row's new token; finish rows that stop. Returns rows still running."""
+        tokens, logprobs = sampled[0].tolist(), sampled[1].tolist()
+        now = time.perf_counter()
+        keep = []
+        for i, seq in enumerate(seqs):
+            seq.output_ids.append(tokens[i])
+            seq.output_logprobs.append(logprobs[i])
+            seq.first_token = seq.first_token or now
+            self.stats["generated_tokens"] += 1
+            finish = self._finish_reason(seq)
+            if finish is None:
+                keep.append(i)
+            else:
+                self._resolve(seq, finish)
+        return keep
+
+    def _finish_reason(self, seq: _Sequence) -> dict[str, Any] | None:
+        token = seq.output_ids[-1]
+        params = seq.request.params
+        if token in seq.stop_ids and len(seq.output_ids) >= params.min_new_tokens:
+            return {"type": "stop", "matched": token}
+        if params.stop:
+            tail = self.tokenizer.decode(seq.output_ids[-16:], skip_special_tokens=False)
+            for text in params.stop:
+                if text and text in tail:
+                    return {"type": "stop", "matched": text}
+        if len(seq.output_ids) >= seq.max_new_tokens:
+            return {"type": "length", "length": len(seq.output_ids)}
+        return None
+
+    def _resolve(self, seq: _Sequence, finish: dict[str, Any]) -> None:
+        now = time.perf_counter()
+        result = GenerationResult(
+            rid=seq.request.rid,
+            prompt_tokens=len(seq.request.input_ids),
+            output_ids=list(seq.output_ids),
+            output_logprobs=list(seq.output_logprobs),
+            finish_reason=finish,
+            latency=now - seq.created,
+            ttft=None if seq.first_token is None else seq.first_token - seq.created,
+        )
+        if not seq.future.done():
+            seq.future.set_result(result)
+
+    def _abort_all(self, message: str, include_waiting: bool, rid: str | None = None) -> int:
+        aborted = 0
+        keep = []
+        for i, seq in enumerate(self._running):
+            if rid is None or seq.request.rid == rid:
+                self._resolve(seq, {"type": "abort", "message": message})
+                aborted += 1
+            else:
+                keep.append(i)
+        self._running = [self._running[i] for i in keep]
+        self._batch.keep(keep)
+        if include_waiting:
+            with self._lock:
+                waiting = list(self._waiting)
+                self._waiting = collections.deque(
+                    s for s in waiting if rid is not None and s.request.rid != rid
+                )
+            for seq in waiting:
+                if rid is None or seq.request.rid == rid:
+                    self._resolve(seq, {"type": "abort", "message": ABORT_BEFORE_PREFILL})
+                    aborted += 1
+        return aborted
+
+    def _fail_running(self, error: Exception) -> None:
+        for seq in self._running:
+            if not seq.future.done():
+                seq.future.set_exception(error)
+        self._running = []
+        self._batch.clear()
+
+    # --- commands (run on the engine thread) ---
+
+    def _cmd_pause(self, mode: str = "abort") -> dict[str, Any]:
+        aborted = (
+            0
+            if mode == "in_place"
+            else self._abort_all(
+                "Abort in-flight requests (generation paused)", include_waiting=True
+            )
+        )
+        self._paused = True
+        return {"success": True, "aborted": aborted}
+
+    def _cmd_continue(self) -> dict[str, Any]:
+        self._paused = False
+        return {"success": True}
+
+    def _cmd_abort(self, rid: str | None = None) -> dict[str, Any]:
+        return {"success": True, "aborted": self._abort_all("Aborted by request", True, rid)}
+
+    def _cmd_update_weights(
+        self, model_path: str, abort_all_requests: bool = True
+    ) -> dict[str, Any]:
+        if abort_all_requests:
+            self._abort_all("Abort in-flight requests (weight update)", include_waiting=False)
+        state = _read_state_dict(Path(model_path))
+        current = self.model.state_dict()
+        unknown = sorted(set(state) - set(current))
+        if unknown:
+            raise RequestError(f"checkpoint has tensors the served model lacks: {unknown[:5]}")
+        missing = sorted(k for k in set(current) - set(state) if not _is_tied(self.model, k))
+        if missing:
+            raise RequestError(f"checkpoint lacks tensors of the served model: {missing[:5]}")
+        with torch.no_grad():
+            for name, tensor in state.items():
+                if current[name].shape != tensor.shape:
+                    raise RequestError(f"shape mismatch for {name}: {tuple(tensor.shape)}")
+            self.model.load_state_dict(state, strict=False)
+        if self._running:  # cached keys/values come from the old weights
+            logger.info("weights updated with %d requests still running", len(self._running))
+        self.model_path = str(model_path)
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def _cmd_release(self, tags: list[str] | None = None) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            self._abort_all("Abort in-flight requests (memory release)", include_waiting=False)
+            self.model.to("cpu")
+            torch.cuda.empty_cache()
+        return {"success": True}
+
+    def _cmd_resume(self, tags: list[str] | None = None) -> dict[str, Any]:
+        if self.device.type == "cuda":
+            self.model.to(self.device)
+        return {"success": True}
+
+
+def _is_tied(model: torch.nn.Module, name: str) -> bool:
+    return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
+
+
+def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise RequestError(f"no *.safetensors checkpoint in {path}", "model_path")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state

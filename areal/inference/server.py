@@ -1,0 +1,289 @@
+"""Embedded inference server: the subset of SGLang's native HTTP API that AReaL uses.
+
+``python -m areal.inference.server --model-path P --host H --port N [--dtype D]
+[--device cpu|cuda]`` serves a ``transformers`` model with continuous batching (backend
+``hf`` in allocation strings). ``RemoteSGLangEngine`` drives it exactly as it drives
+SGLang: token ids in, token ids and log-probs out.
+
+Endpoints: ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info``,
+``POST /generate``, ``POST /pause_generation``, ``POST /continue_generation``,
+``POST /abort_request``, ``POST /update_weights_from_disk``, ``POST /flush_cache``,
+``POST /release_memory_occupation``, ``POST /resume_memory_occupation``. Bad requests get
+HTTP 400 with ``{"error": {"message", "type", "param"}}``; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import uuid
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+
+from areal.inference.engine import GenerationEngine, GenerationRequest, RequestError
+from areal.inference.sampling import SamplingParams
+from areal.utils import logging
+
+__all__ = ["create_app", "main"]
+
+logger = logging.getLogger("inference.server")
+
+
+class SamplingParamsBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    max_new_tokens: int = Field(128, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    stop_token_ids: list[StrictInt] | None = None
+    stop: list[str] | str | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    frequency_penalty: float = 0.0
+    sampling_seed: int | None = None
+
+
+class GenerateBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    input_ids: list[StrictInt]
+    sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
+    return_logprob: bool = False
+    stream: bool = False
+    rid: str | None = None
+    lora_path: str | None = None
+
+
+class PauseBody(BaseModel):
+    mode: str = "abort"
+
+
+class AbortBody(BaseModel):
+    rid: str | None = None
+    abort_all: bool = False
+
+
+class UpdateFromDiskBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model_path: str
+    abort_all_requests: bool = True
+
+
+class MemoryBody(BaseModel):
+    tags: list[str] | None = None
+
+
+def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": kind, "param": param}}
+    )
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    field = ".".join(loc) or None
+    return (f"{field}: {first.get('msg')}" if field else str(first.get("msg"))), field
+
+
+def create_app(engine: GenerationEngine) -> FastAPI:
+    """The HTTP app over a started :class:`GenerationEngine` (stopped on shutdown)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.stop()
+
+    app = FastAPI(title="AReaL embedded inference server", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        message, field = _validation_message(exc)
+        return _error(400, message, field)
+
+    @app.exception_handler(RequestError)
+    async def on_request_error(request: Request, exc: RequestError):
+        return _error(400, str(exc), exc.param)
+
+    async def run_command(name: str, **kwargs: Any) -> dict[str, Any]:
+        return await asyncio.wrap_future(engine.command(name, **kwargs))
+
+    @app.get("/health")
+    @app.get("/health_generate")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/get_model_info")
+    async def model_info() -> dict[str, Any]:
+        return {
+            "model_path": engine.model_path,
+            "tokenizer_path": engine.model_path,
+            "is_generation": True,
+        }
+
+    @app.get("/get_server_info")
+    async def server_info() -> dict[str, Any]:
+        return {
+            "backend": "hf",
+            "device": str(engine.device),
+            "dtype": str(engine.dtype).replace("torch.", ""),
+            "context_length": engine.context_length,
+            "max_running_requests": engine.max_running,
+            "paused": engine.paused,
+            **engine.load(),
+            **dict(engine.stats),
+        }
+
+    @app.post("/generate")
+    async def generate(body: GenerateBody):
+        if body.stream:
+            raise RequestError("stream=true is not supported by this server", "stream")
+        if body.lora_path:
+            raise RequestError("LoRA adapters are not supported by this server", "lora_path")
+        p = body.sampling_params
+        stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+        params = SamplingParams(
+            max_new_tokens=p.max_new_tokens,
+            min_new_tokens=p.min_new_tokens,
+            temperature=p.temperature,
+            top_p=p.top_p,
+            top_k=p.top_k,
+            stop_token_ids=list(p.stop_token_ids or []),
+            stop=stop,
+            ignore_eos=p.ignore_eos,
+            skip_special_tokens=p.skip_special_tokens,
+            frequency_penalty=p.frequency_penalty,
+            sampling_seed=p.sampling_seed,
+        )
+        rid = body.rid or uuid.uuid4().hex
+        result = await asyncio.wrap_future(
+            engine.submit(GenerationRequest(list(body.input_ids), params, rid))
+        )
+        meta: dict[str, Any] = {
+            "id": result.rid,
+            "finish_reason": result.finish_reason,
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": len(result.output_ids),
+            "cached_tokens": 0,
+            "e2e_latency": result.latency,
+        }
+        if body.return_logprob:
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(result.output_logprobs, result.output_ids)
+            ]
+        text = ""
+        if engine.tokenizer is not None:
+            text = engine.tokenizer.decode(
+                result.output_ids, skip_special_tokens=params.skip_special_tokens
+            )
+        return {"text": text, "output_ids": result.output_ids, "meta_info": meta}
+
+    @app.post("/pause_generation")
+    async def pause(body: PauseBody | None = None) -> dict[str, Any]:
+        mode = (body or PauseBody()).mode
+        if mode not in ("abort", "in_place", "retract"):
+            raise RequestError(f"unknown pause mode {mode!r}; use abort or in_place", "mode")
+        return await run_command("pause", mode="in_place" if mode == "in_place" else "abort")
+
+    @app.post("/continue_generation")
+    async def resume_generation() -> dict[str, Any]:
+        return await run_command("continue")
+
+    @app.post("/abort_request")
+    async def abort(body: AbortBody) -> dict[str, Any]:
+        if not body.abort_all and not body.rid:
+            raise RequestError("give a rid or abort_all=true", "rid")
+        return await run_command("abort", rid=None if body.abort_all else body.rid)
+
+    @app.post("/update_weights_from_disk")
+    async def update_from_disk(body: UpdateFromDiskBody) -> dict[str, Any]:
+        return await run_command(
+            "update_weights", model_path=body.model_path, abort_all_requests=body.abort_all_requests
+        )
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> dict[str, Any]:
+        return {"success": True, "message": "no prefix cache to flush"}
+
+    @app.post("/release_memory_occupation")
+    async def release(body: MemoryBody | None = None) -> dict[str, Any]:
+        return await run_command("release", tags=(body or MemoryBody()).tags)
+
+    @app.post("/resume_memory_occupation")
+    async def resume_memory(body: MemoryBody | None = None) -> dict[str, Any]:
+        return await run_command("resume", tags=(body or MemoryBody()).tags)
+
+    @app.post("/init_weights_update_group")
+    @app.post("/update_weights_from_distributed")
+    async def distributed_updates() -> JSONResponse:
+        return _error(
+            400,
+            "the embedded server loads new weights from disk only; set "
+            "actor.weight_update_mode: disk",
+        )
+
+    return app
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m areal.inference.server",
+        description="Serve a transformers model over SGLang's native HTTP API.",
+    )
+    parser.add_argument("--model-path", required=True, help="HF model directory")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"]
+    )
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    parser.add_argument(
+        "--context-length",
+        type=int,
+        default=None,
+        help="prompt + completion limit (default: the model's max positions)",
+    )
+    parser.add_argument(
+        "--max-running-requests", type=int, default=64, help="requests decoded together at most"
+    )
+    parser.add_argument(
+        "--max-prefill-tokens",
+        type=int,
+        default=16384,
+        help="padded prompt tokens prefilled in one forward pass at most",
+    )
+    parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = _parser().parse_args(argv)
+    engine = GenerationEngine(
+        args.model_path,
+        device=args.device,
+        dtype=args.dtype,
+        context_length=args.context_length,
+        max_running_requests=args.max_running_requests,
+        max_prefill_tokens=args.max_prefill_tokens,
+        seed=args.random_seed,
+    ).start()
+    logger.info("serving %s on %s:%d (%s)", args.model_path, args.host, args.port, engine.device)
+    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Rollout infrastructure: workflow execution, staleness control, execution context."""

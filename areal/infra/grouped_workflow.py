@@ -1,0 +1,136 @@
+"""Running a prompt's ``n_samples`` rollouts as one structured group, and resolving
+the workflow argument of ``submit``.
+
+Samples run as concurrent tasks, each seeing its own ``sample_idx`` in the workflow
+context. A sample that returns ``None`` or raises is rejected on its own. With
+``drop_incomplete_group`` the group is rejected as soon as one sample is, and its
+still-running siblings are cancelled, so that their external work (Arena tasks, proxy
+sessions) is released instead of running on unobserved.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Any
+
+import torch
+
+from areal.api.workflow_api import RolloutWorkflow
+from areal.infra import workflow_context
+from areal.utils import logging
+from areal.utils.data import concat_padded_tensors
+from areal.utils.dynamic_import import import_from_string
+
+__all__ = ["GroupedRolloutWorkflow", "resolve_workflow"]
+
+logger = logging.getLogger("rollout.group")
+
+
+def _is_empty(traj: Any) -> bool:
+    return traj is None or (isinstance(traj, dict) and not traj)
+
+
+def _merge(results: list[Any]) -> Any:
+    if all(
+        isinstance(r, dict) and all(isinstance(v, torch.Tensor) for v in r.values())
+        for r in results
+    ):
+        merged = concat_padded_tensors(results)
+        return merged or None
+    if all(isinstance(r, dict) for r in results):
+        merged: dict[Any, Any] = {}
+        for r in results:
+            merged.update(r)
+        return merged or None
+    return results
+
+
+class GroupedRolloutWorkflow(RolloutWorkflow):
+    """``group_size`` concurrent copies of a workflow on the same row."""
+
+    def __init__(
+        self,
+        workflow: RolloutWorkflow,
+        group_size: int,
+        drop_incomplete_group: bool = False,
+        reward_normalization: bool = False,
+    ):
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        self.workflow = workflow
+        self.group_size = group_size
+        self.drop_incomplete_group = drop_incomplete_group
+        self.reward_normalization = reward_normalization
+
+    async def _sample(self, engine: Any, data: Any, index: int) -> Any:
+        context = dataclasses.replace(workflow_context.get(), sample_idx=index)
+        workflow_context.set(context)  # this task's own copy of the context
+        try:
+            return await self.workflow.arun_episode(engine, data)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("sample %d of task %s failed; it is rejected", index, context.task_id)
+            return None
+
+    async def arun_episode(self, engine: Any, data: Any) -> Any:
+        tasks = [asyncio.create_task(self._sample(engine, data, i)) for i in range(self.group_size)]
+        results: list[Any] = [None] * self.group_size
+        try:
+            if self.drop_incomplete_group:
+                index_of = {task: i for i, task in enumerate(tasks)}
+                pending = set(tasks)
+                while pending:
+                    done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+                    for task in done:
+                        results[index_of[task]] = task.result()
+                        if _is_empty(results[index_of[task]]):
+                            return None  # the finally block cancels the siblings
+            else:
+                results = list(await asyncio.gather(*tasks))
+        finally:
+            unfinished = [t for t in tasks if not t.done()]
+            for task in unfinished:
+                task.cancel()
+            if unfinished:
+                await asyncio.gather(*unfinished, return_exceptions=True)
+        valid = [r for r in results if not _is_empty(r)]
+        if not valid:
+            return None
+        if len(valid) < self.group_size and not self.reward_normalization:
+            logger.warning(
+                "task %s kept %d of %d samples",
+                workflow_context.get().task_id,
+                len(valid),
+                self.group_size,
+            )
+        return _merge(valid)
+
+
+def resolve_workflow(
+    workflow: Any,
+    workflow_kwargs: dict[str, Any] | None = None,
+    *,
+    group_size: int = 1,
+    drop_incomplete_group: bool = False,
+    reward_normalization: bool = False,
+) -> RolloutWorkflow:
+    """A ready-to-run workflow from an instance, a ``RolloutWorkflow`` class or an
+    import path; wrapped in :class:`GroupedRolloutWorkflow` when ``group_size > 1``."""
+    if isinstance(workflow, str):
+        workflow = import_from_string(workflow)
+    if isinstance(workflow, type) and issubclass(workflow, RolloutWorkflow):
+        if workflow_kwargs is None:
+            raise ValueError(f"workflow_kwargs are required to build {workflow.__name__}")
+        workflow = workflow(**workflow_kwargs)
+    if not isinstance(workflow, RolloutWorkflow):
+        raise TypeError(
+            f"{workflow!r} is not a RolloutWorkflow; agents with run(data, **kwargs) are "
+            "executed through the rollout proxy (OpenAIProxyWorkflow)"
+        )
+    if group_size > 1:
+        workflow = GroupedRolloutWorkflow(
+            workflow, group_size, drop_incomplete_group, reward_normalization
+        )
+    return workflow
