@@ -1,6 +1,8 @@
 # Two entry points do all set-up on a fresh machine:
 #   make test   create .venv, install (CPU torch pinned), run the test suite
 #   make demo   create .venv, install, run the end-to-end demo on the embedded default
+# Optional: make agent-clis installs the pinned Claude Code and Codex CLIs (npm) that the
+# agent-CLI integration tests run; without them those tests skip.
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 
@@ -12,11 +14,15 @@ TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 # pip prints one harmless line per unreachable local index; keep the log readable.
 PIP_FILTER := grep -v -e 'is ignored: it is neither a file nor a directory' || true
+# Pinned because both CLIs change their wire format quickly (see tests/integration/test_agent_clis.py).
+AGENT_CLIS_DIR := .cache/agent-clis
+CLAUDE_CODE_PKG := @anthropic-ai/claude-code@2.1.197
+CODEX_PKG := @openai/codex@0.171.0
 
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test test-fast demo lint format clean
+.PHONY: install test test-fast demo lint format clean agent-clis
 
 install: $(STAMP)
 
@@ -36,6 +42,14 @@ test-fast: $(STAMP)
 
 demo: $(STAMP)
 	@echo "make demo: the end-to-end Arena training demo is not yet available (it lands with the trainer)."
+
+agent-clis:
+	@if [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/claude ] && [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/codex ]; then \
+	  echo "agent-clis: already installed in $(AGENT_CLIS_DIR)"; \
+	else \
+	  mkdir -p $(AGENT_CLIS_DIR) && \
+	  npm install --prefix $(AGENT_CLIS_DIR) --no-audit --no-fund --save-exact $(CLAUDE_CODE_PKG) $(CODEX_PKG); \
+	fi
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -31,6 +31,42 @@ def _is_empty(traj: Any) -> bool:
     return traj is None or (isinstance(traj, dict) and not traj)
 
 
+def _is_interaction_dict(result: Any) -> bool:
+    return (
+        isinstance(result, dict)
+        and bool(result)
+        and all(
+            hasattr(v, "to_tensor_dict") and hasattr(v, "set_reward_value") for v in result.values()
+        )
+    )
+
+
+def normalize_group_rewards(results: list[Any]) -> list[Any] | None:
+    """Rollout-time reward normalization over a group of interaction dicts.
+
+    Each sample's score is the reward of its last interaction; every interaction of
+    sample i gets ``R_i = (r_i - mean) / (std_pop + 1e-8)`` (its own reward kept as the
+    original). ``None`` when a sample is missing or its last interaction has no reward.
+    """
+    scores = []
+    for result in results:
+        if not _is_interaction_dict(result):
+            return None
+        last = list(result.values())[-1]
+        if last.reward is None:
+            return None
+        scores.append(float(last.reward))
+    n = len(scores)
+    mean = sum(scores) / n
+    std = (sum((s - mean) ** 2 for s in scores) / n) ** 0.5
+    for result, score in zip(results, scores):
+        normalized = (score - mean) / (std + 1e-8)
+        for interaction in result.values():
+            if interaction.reward is not None:
+                interaction.set_reward_value(normalized, original=interaction.reward)
+    return results
+
+
 def _merge(results: list[Any]) -> Any:
     if all(
         isinstance(r, dict) and all(isinstance(v, torch.Tensor) for v in r.values())
@@ -38,6 +74,8 @@ def _merge(results: list[Any]) -> Any:
     ):
         merged = concat_padded_tensors(results)
         return merged or None
+    if results is None:
+        return None
     if all(isinstance(r, dict) for r in results):
         merged: dict[Any, Any] = {}
         for r in results:
@@ -95,10 +133,12 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
                 task.cancel()
             if unfinished:
                 await asyncio.gather(*unfinished, return_exceptions=True)
+        if self.reward_normalization and self.group_size > 1:
+            return _merge(normalize_group_rewards(results)) if results else None
         valid = [r for r in results if not _is_empty(r)]
         if not valid:
             return None
-        if len(valid) < self.group_size and not self.reward_normalization:
+        if len(valid) < self.group_size:
             logger.warning(
                 "task %s kept %d of %d samples",
                 workflow_context.get().task_id,
@@ -115,9 +155,16 @@ def resolve_workflow(
     group_size: int = 1,
     drop_incomplete_group: bool = False,
     reward_normalization: bool = False,
+    proxy_addr: str | None = None,
+    agent_config: Any = None,
 ) -> RolloutWorkflow:
-    """A ready-to-run workflow from an instance, a ``RolloutWorkflow`` class or an
-    import path; wrapped in :class:`GroupedRolloutWorkflow` when ``group_size > 1``."""
+    """A ready-to-run workflow from an instance, a class or an import path.
+
+    ``RolloutWorkflow`` classes are built with ``workflow_kwargs``; anything else is an
+    agent (``async def run(data, **kwargs)``), built with ``workflow_kwargs or {}`` and run
+    through the rollout proxy at ``proxy_addr`` with the settings of ``agent_config``
+    (``rollout.agent``). Wrapped in :class:`GroupedRolloutWorkflow` when ``group_size > 1``.
+    """
     if isinstance(workflow, str):
         workflow = import_from_string(workflow)
     if isinstance(workflow, type) and issubclass(workflow, RolloutWorkflow):
@@ -125,9 +172,23 @@ def resolve_workflow(
             raise ValueError(f"workflow_kwargs are required to build {workflow.__name__}")
         workflow = workflow(**workflow_kwargs)
     if not isinstance(workflow, RolloutWorkflow):
-        raise TypeError(
-            f"{workflow!r} is not a RolloutWorkflow; agents with run(data, **kwargs) are "
-            "executed through the rollout proxy (OpenAIProxyWorkflow)"
+        agent = workflow(**(workflow_kwargs or {})) if isinstance(workflow, type) else workflow
+        if not callable(getattr(agent, "run", None)):
+            raise TypeError(
+                f"{workflow!r} is neither a RolloutWorkflow nor an agent with async run(data, ...)"
+            )
+        from areal.proxy.workflow import OpenAIProxyWorkflow
+
+        if not proxy_addr:
+            raise ValueError("agent workflows run through the rollout proxy: pass proxy_addr")
+        workflow = OpenAIProxyWorkflow(
+            mode=getattr(agent_config, "mode", "inline"),
+            agent=agent,
+            proxy_addr=proxy_addr,
+            admin_api_key=getattr(agent_config, "admin_api_key", ""),
+            discount=getattr(agent_config, "turn_discount", 1.0),
+            export_style=getattr(agent_config, "export_style", "individual"),
+            drop_retry_orphans=getattr(agent_config, "drop_retry_orphans", False),
         )
     if group_size > 1:
         workflow = GroupedRolloutWorkflow(

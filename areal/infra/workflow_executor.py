@@ -27,6 +27,7 @@ from areal.infra import workflow_context
 from areal.infra.grouped_workflow import resolve_workflow
 from areal.infra.staleness_manager import StalenessManager
 from areal.utils import logging, stats_tracker
+from areal.utils.data import concat_padded_tensors
 from areal.utils.dynamic_import import import_from_string
 
 __all__ = ["WorkflowExecutor"]
@@ -51,6 +52,18 @@ class _Result:
     task_id: int
     created: float
     trajectory: Any  # None when rejected
+
+
+def to_trajectory(result: Any) -> Any:
+    """A workflow result as a training trajectory; ``None`` when there is nothing to train.
+
+    A dict of recorded interactions becomes one tensor batch (one row per interaction).
+    """
+    if result is None or (isinstance(result, dict) and not result):
+        return None
+    if isinstance(result, dict) and all(hasattr(v, "to_tensor_dict") for v in result.values()):
+        return concat_padded_tensors([v.to_tensor_dict() for v in result.values()]) or None
+    return result
 
 
 class WorkflowExecutor:
@@ -151,9 +164,7 @@ class WorkflowExecutor:
         )
         trajectory = None
         try:
-            trajectory = await task.workflow.arun_episode(self.engine, task.data)
-            if isinstance(trajectory, dict) and not trajectory:
-                trajectory = None  # an empty trajectory has nothing to train on
+            trajectory = to_trajectory(await task.workflow.arun_episode(self.engine, task.data))
             accept = task.should_accept_fn
             if trajectory is not None and accept is not None and not accept(trajectory):
                 trajectory = None
@@ -222,6 +233,8 @@ class WorkflowExecutor:
             group_size=group_size,
             drop_incomplete_group=drop_incomplete_group,
             reward_normalization=reward_normalization,
+            proxy_addr=proxy_addr,
+            agent_config=self.config.agent,
         )
         if isinstance(should_accept_fn, str):
             should_accept_fn = import_from_string(should_accept_fn)

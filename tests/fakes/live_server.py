@@ -58,7 +58,7 @@ class ScriptedASGI:
 def serve(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
     """Run ``app`` with uvicorn in a background thread; yields its base URL."""
     port = free_port()
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="auto")
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()

@@ -151,7 +151,7 @@ def test_workflow_import_path_and_kwargs(executor):
     assert executor.wait_for_task(task, timeout=10) is None
     with pytest.raises(ValueError, match="workflow_kwargs"):
         executor.submit(5, VersionRecorder)
-    with pytest.raises(TypeError, match="not a RolloutWorkflow"):
+    with pytest.raises(TypeError, match="neither a RolloutWorkflow nor an agent"):
         executor.submit(5, object())
 
 

@@ -1,0 +1,1 @@
+"""Rollout proxy: OpenAI- and Anthropic-compatible endpoints that record exact tokens."""

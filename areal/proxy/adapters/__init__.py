@@ -1,0 +1,1 @@
+"""Protocol adapters: Anthropic Messages and OpenAI Responses onto chat completions."""

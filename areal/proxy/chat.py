@@ -1,0 +1,391 @@
+"""Chat completions on the inference engine, recorded token for token.
+
+For each request: render the prompt tokens (``hf``: the chat template over all messages;
+``concat``: the parent's exact tokens, then the new turns), cap the budget, generate with
+``agenerate``, decode, parse tool calls, and record the call as an :class:`Interaction`
+with the prompt tokens the engine received and the tokens and log-probs it returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal.api.cli_args import GenerationHyperparameters
+from areal.api.io_struct import ModelRequest, ModelResponse
+from areal.proxy.interaction import Interaction, InteractionCache
+from areal.proxy.messages import MessagePreprocessor, prepare_messages
+from areal.proxy.parsers import ReasoningParser, ToolCallParser, process_tool_calls
+from areal.utils import logging, stats_tracker
+
+__all__ = ["ChatGenerator", "ChatRequestError", "ContextLengthExceededError", "GeneratedChat"]
+
+logger = logging.getLogger("proxy.chat")
+
+ALLOWED_ARGS = frozenset(
+    {
+        "messages",
+        "stream",
+        "frequency_penalty",
+        "max_completion_tokens",
+        "max_tokens",
+        "max_total_tokens",
+        "metadata",
+        "n",
+        "seed",
+        "stop",
+        "store",
+        "temperature",
+        "tool_choice",
+        "tools",
+        "top_p",
+        "extra_body",
+        "model",
+        "stream_options",
+        "user",
+    }
+)
+DEFAULT_MAX_NEW_TOKENS = 512
+DEFAULT_ENGINE_TOTAL_TOKENS = 32768
+
+
+class ChatRequestError(ValueError):
+    """A request this proxy refuses (HTTP 400), naming the field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class ContextLengthExceededError(ChatRequestError):
+    """The prompt leaves no room for generation (HTTP 400, ``context_length_exceeded``)."""
+
+
+@dataclass
+class GeneratedChat:
+    """The outcome of one chat call."""
+
+    completion: dict[str, Any]
+    message: dict[str, Any]  # the assistant message, as recorded
+    response: ModelResponse
+    interaction: Interaction | None
+    prompt_tokens: list[int] = field(default_factory=list)
+
+
+def _normalize_tools(tools: list[dict] | None) -> list[dict] | None:
+    """Chat-style function tools; flat Responses-style entries are nested under function."""
+    if not tools:
+        return None
+    normalized = []
+    for tool in tools:
+        if tool.get("type", "function") != "function":
+            continue
+        if "function" in tool:
+            normalized.append(tool)
+        else:
+            fn = {k: v for k, v in tool.items() if k not in ("type", "strict")}
+            normalized.append({"type": "function", "function": fn})
+    return normalized or None
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    """History tool-call arguments as objects (some templates iterate over them)."""
+    rendered = []
+    for message in messages:
+        calls = message.get("tool_calls")
+        if not calls:
+            rendered.append(message)
+            continue
+        fixed = []
+        for call in calls:
+            fn = dict(call.get("function", {}))
+            if isinstance(fn.get("arguments"), str):
+                with contextlib.suppress(json.JSONDecodeError):
+                    fn["arguments"] = json.loads(fn["arguments"])
+            fixed.append({**call, "function": fn})
+        rendered.append({**message, "tool_calls": fixed})
+    return rendered
+
+
+class ChatGenerator:
+    """``chat.completions.create`` over an inference engine, recording interactions."""
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        *,
+        tool_call_parser: ToolCallParser | None = None,
+        reasoning_parser: ReasoningParser | None = None,
+        engine_max_tokens: int | None = None,
+        chat_template_type: str = "hf",
+        preprocessors: list[MessagePreprocessor] | None = None,
+        expected_temperature: float | None = None,
+        deterministic: bool = False,
+    ):
+        if chat_template_type not in ("hf", "concat"):
+            raise ValueError(
+                f"chat_template_type must be 'hf' or 'concat', got {chat_template_type!r}"
+            )
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        self.engine_max_tokens = engine_max_tokens
+        self.chat_template_type = chat_template_type
+        self.preprocessors = list(preprocessors or [])
+        self.expected_temperature = expected_temperature
+        self.deterministic = deterministic
+        self.eos_id = tokenizer.eos_token_id
+        self.stop_ids = sorted(
+            {t for t in (tokenizer.eos_token_id, tokenizer.pad_token_id) if t is not None}
+        )
+        self._warned: set[str] = set()
+        self._warn_once = os.environ.get("AREAL_PROXY_WARN_ONCE", "") == "1"
+
+    # --- helpers ---
+
+    def _warn(self, key: str, message: str) -> None:
+        if self._warn_once and key in self._warned:
+            return
+        self._warned.add(key)
+        logger.warning(message)
+
+    def render(
+        self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None
+    ) -> list[int]:
+        """Chat-template tokens of the conversation, with the generation prompt."""
+        text = self.tokenizer.apply_chat_template(
+            _template_messages(messages),
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=False,
+            **(template_kwargs or {}),
+        )
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _concat_prompt(
+        self,
+        parent: Interaction,
+        messages: list[dict],
+        tools: list[dict] | None,
+        template_kwargs: dict | None,
+    ) -> list[int] | None:
+        """The parent's exact tokens + EOS + the re-rendered tokens after the matching EOS.
+
+        Returns ``None`` when the re-rendered conversation cannot be aligned with the
+        parent's tokens (the child is then trained on its own).
+        """
+        assert parent.response is not None
+        output = list(parent.response.output_tokens)
+        while output and output[-1] in self.stop_ids:
+            output.pop()
+        head = parent.prompt_tokens + output + [self.eos_id]
+        full = self.render(messages, tools, template_kwargs)
+        k = head.count(self.eos_id)
+        positions = [i for i, t in enumerate(full) if t == self.eos_id]
+        if len(positions) < k or positions[k - 1] == len(full) - 1:
+            return None
+        prompt = head + full[positions[k - 1] + 1 :]
+        parent_sequence = parent.sequence
+        if prompt[: len(parent_sequence)] != parent_sequence:
+            return None  # the parent ended on another stop token: not an exact prefix
+        return prompt
+
+    def _sampling(
+        self, kwargs: dict[str, Any], seed_key: str | None, request_index: int | None
+    ) -> dict[str, Any]:
+        temperature = kwargs.get("temperature")
+        if temperature is None:
+            self._warn("temperature", "request has no temperature; using 1.0")
+            temperature = 1.0
+        top_p = kwargs.get("top_p") or 1.0
+        seed = kwargs.get("seed")
+        if seed is None and self.deterministic and seed_key is not None:
+            digest = hashlib.sha256(f"{seed_key}:{request_index}".encode()).digest()
+            seed = int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+        return {
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "frequency_penalty": float(kwargs.get("frequency_penalty") or 0.0),
+            "seed": seed,
+        }
+
+    def _budget(self, kwargs: dict[str, Any], prompt_len: int) -> tuple[int, int]:
+        if kwargs.get("max_tokens") is not None and kwargs.get("max_completion_tokens") is not None:
+            raise ChatRequestError(
+                "give max_tokens or max_completion_tokens, not both", "max_tokens"
+            )
+        max_completion = kwargs.get("max_completion_tokens", kwargs.get("max_tokens"))
+        caps = [
+            c for c in (kwargs.get("max_total_tokens"), self.engine_max_tokens) if c is not None
+        ]
+        if caps:
+            total_cap = min(caps)
+            room = total_cap - prompt_len
+            if room <= 0:
+                raise ContextLengthExceededError(
+                    f"len of prompt tokens ({prompt_len}) exceeds max_total_tokens ({total_cap})",
+                    "messages",
+                )
+            max_new = room if max_completion is None else min(room, int(max_completion))
+        elif max_completion is not None:
+            max_new = int(max_completion)
+        else:
+            self._warn(
+                "budget", f"no token limit in the request or config; using {DEFAULT_MAX_NEW_TOKENS}"
+            )
+            max_new = DEFAULT_MAX_NEW_TOKENS
+        if max_new <= 0:
+            raise ChatRequestError(
+                "max_completion_tokens must be positive", "max_completion_tokens"
+            )
+        total = min(prompt_len + max_new, self.engine_max_tokens or DEFAULT_ENGINE_TOTAL_TOKENS)
+        if total <= prompt_len:
+            raise ContextLengthExceededError(
+                f"len of prompt tokens ({prompt_len}) exceeds the engine's total token limit "
+                f"({total})",
+                "messages",
+            )
+        return max_new, total
+
+    def _check_sampling(self, sampling: dict[str, Any]) -> None:
+        expected = self.expected_temperature
+        if expected is None:
+            return
+        used = sampling["temperature"]
+        if abs(used - expected) > 1e-6 and not (used == 0 and expected == 0):
+            stats_tracker.get("rollout").scalar(**{"proxy/sampling_temperature_mismatch": 1.0})
+            self._warn(
+                "temperature-mismatch",
+                f"a request samples at temperature {used} but actor.temperature is {expected}: "
+                "recomputed log-probs will not match the behaviour policy",
+            )
+
+    # --- the call ---
+
+    async def create(
+        self,
+        body: dict[str, Any],
+        cache: InteractionCache | None = None,
+        seed_key: str | None = None,
+        request_index: int | None = None,
+    ) -> GeneratedChat:
+        """Serve one chat request; record it in ``cache`` unless ``store`` is false."""
+        dropped = sorted(
+            k for k in body if k not in ALLOWED_ARGS and body[k] not in (None, False, [], {})
+        )
+        if dropped:
+            self._warn(
+                f"dropped:{','.join(dropped)}", f"ignoring unsupported request fields {dropped}"
+            )
+        if (body.get("n") or 1) != 1:
+            raise ChatRequestError("only n=1 is supported (one completion per request)", "n")
+        raw_messages = body.get("messages")
+        if not isinstance(raw_messages, list) or not raw_messages:
+            raise ChatRequestError("messages must be a non-empty list", "messages")
+        messages = prepare_messages(raw_messages, self.preprocessors)
+        tools = _normalize_tools(body.get("tools"))
+        extra = body.get("extra_body") or {}
+        template_kwargs = extra.get("chat_template_kwargs") if isinstance(extra, dict) else None
+        store = body.get("store", True) is not False and cache is not None
+
+        interaction = None
+        parent = None
+        if store:
+            assert cache is not None
+            parent, _ = cache.find_parent(messages)
+            interaction = Interaction(
+                id=f"chatcmpl-{uuid.uuid4().hex[:29]}",
+                messages=[dict(m) for m in messages],
+                chat_template_type=self.chat_template_type,
+            )
+        prompt = None
+        if self.chat_template_type == "concat" and parent is not None:
+            prompt = self._concat_prompt(parent, messages, tools, template_kwargs)
+            if prompt is None:
+                stats_tracker.get("rollout").scalar(**{"proxy/concat_prefix_mismatch": 1.0})
+                logger.warning(
+                    "concat prompt of a child of %s could not be aligned; training it alone",
+                    parent.id,
+                )
+                if interaction is not None:
+                    interaction.concat_prefix_mismatch = True
+                parent = None
+        if prompt is None:
+            prompt = self.render(messages, tools, template_kwargs)
+        if interaction is not None:
+            interaction.parent = parent
+            interaction.prompt_tokens = list(prompt)
+            cache.add(interaction)  # type: ignore[union-attr]
+
+        sampling = self._sampling(body, seed_key, request_index)
+        self._check_sampling(sampling)
+        max_new, total = self._budget(body, len(prompt))
+        stop = body.get("stop")
+        stop = [stop] if isinstance(stop, str) else list(stop or [])
+        gconfig = GenerationHyperparameters(
+            n_samples=1,
+            max_new_tokens=max_new,
+            max_tokens=total,
+            greedy=sampling["temperature"] == 0,
+            temperature=sampling["temperature"] or 1.0,
+            top_p=sampling["top_p"],
+            frequency_penalty=sampling["frequency_penalty"],
+            seed=sampling["seed"],
+            stop=None if self.chat_template_type == "concat" or not stop else stop,
+            stop_token_ids=list(self.stop_ids),
+        )
+        response = await self.engine.agenerate(
+            ModelRequest(
+                input_ids=list(prompt),
+                gconfig=gconfig,
+                rid=uuid.uuid4().hex,
+                tokenizer=self.tokenizer,
+            )
+        )
+        output = list(response.output_tokens)
+        while output and output[-1] in self.stop_ids:
+            output.pop()
+        text = self.tokenizer.decode(output, skip_special_tokens=False)
+        finish_reason = response.stop_reason
+        tool_calls = None
+        if tools and body.get("tool_choice") != "none":
+            tool_calls, text, finish_reason = process_tool_calls(
+                text, tools, self.tool_call_parser, self.reasoning_parser, finish_reason
+            )
+        if finish_reason == "abort":
+            finish_reason = "length"
+        message: dict[str, Any] = {"role": "assistant"}
+        if text or not tool_calls:
+            message["content"] = text
+        if tool_calls:
+            message["tool_calls"] = tool_calls
+        completion = {
+            "id": interaction.id
+            if interaction is not None
+            else f"chatcmpl-{uuid.uuid4().hex[:29]}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model") or "default",
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+            ],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(response.output_tokens),
+                "total_tokens": len(prompt) + len(response.output_tokens),
+            },
+        }
+        if interaction is not None:
+            interaction.response = response
+            interaction.completion = completion
+            interaction.output_message_list = [dict(message)]
+            interaction.sampling = {**sampling, "top_k": None}
+        return GeneratedChat(completion, message, response, interaction, list(prompt))

@@ -1,0 +1,62 @@
+"""The contract between the proxy workflow and an agent.
+
+An agent is any object with ``async def run(data, **kwargs) -> float | dict | None``
+(the reference's signature, so existing agents keep working). ``run`` receives the
+keyword arguments of :class:`AgentRunKwargs`; the optional hooks of :class:`AgentHooks`
+let it take part in failure handling, metrics and audit. Every hook may be sync or async
+unless noted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
+
+__all__ = ["AgentHooks", "AgentRunKwargs", "FailureDisposition", "WorkerRuntime"]
+
+FailureDisposition = Literal[
+    "model_failure_zero", "system_failure_reject", "unknown_failure_reject"
+]
+
+
+@runtime_checkable
+class WorkerRuntime(Protocol):
+    """The long-lived rollout engine, shared by every agent of one rollout worker."""
+
+    def register_destroy_callback(self, key: str, fn: Any) -> bool:
+        """Run ``fn`` when the engine is destroyed; the first registration per key wins."""
+
+
+class AgentRunKwargs(TypedDict):
+    base_url: str  # the proxy, e.g. http://10.0.0.5:8123 (no /v1)
+    api_key: str  # this session's key: generation, rewards and end-of-session
+    http_client: Any  # a shared httpx.AsyncClient
+    session_id: str  # matches ^[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}$
+    proxy_gateway_api_key: str  # generation-only key, the same for the whole run
+    proxy_session_token: str  # proves X-Session-Id together with the gateway key
+    worker_runtime: WorkerRuntime
+
+
+class AgentHooks(Protocol):
+    """Optional agent methods the workflow calls when they exist."""
+
+    def get_session_metadata(self, data: dict) -> dict[str, Any]: ...
+
+    def get_episode_metadata(self) -> dict[str, Any]: ...
+
+    def classify_proxy_failure(
+        self, error: BaseException, *, context_overflow: bool, interaction_count: int
+    ) -> FailureDisposition:
+        """Sync. Decides whether a failed episode trains with reward 0 or is rejected."""
+
+    def record_failure_disposition(
+        self, data: dict, error: BaseException, disposition: FailureDisposition
+    ) -> None: ...
+
+    def persist_episode_result(self, data: dict, reward: float | None) -> None: ...
+
+    def record_episode_metrics(self, data: dict, reward: float) -> None:
+        """Sync; called after a successful export."""
+
+    def record_group_metrics(
+        self, data: dict, rewards: list[float | None], group_size: int
+    ) -> None: ...

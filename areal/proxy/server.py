@@ -1,0 +1,485 @@
+"""The rollout proxy server: OpenAI, Responses and Anthropic endpoints over one engine.
+
+``python -m areal.proxy.server --host H --port N --engine-addr HOST:PORT
+--tokenizer-path PATH [--tool-call-parser NAME] [--reasoning-parser NAME]
+[--chat-template-type hf|concat] [--engine-max-tokens N]`` reads the admin key from
+``SWE_RL_ADMIN_API_KEY`` (never from argv) and refuses to start without one.
+
+Session endpoints (admin key): ``POST /grant_capacity``, ``/rl/start_session``,
+``/export_trajectories``, ``/rl/set_version``, ``/rl/pause``, ``/rl/resume``. Session-key
+endpoints: ``POST /rl/end_session``, ``/rl/set_reward``. Generation (session key, or the
+gateway key with ``X-Session-Id``/``X-Session-Token``): ``POST /chat/completions``,
+``/v1/chat/completions``, ``/responses``, ``/v1/responses``, ``/v1/messages`` (streaming
+and not). ``GET /health``; ``HEAD /``.
+
+Status codes: 401 no/unknown key or bad session headers, 403 a key without the needed
+capability (not admin on admin endpoints, the gateway key on reward/end), 410 a key whose
+session is gone, 400 a malformed request (``context_length_exceeded`` when the prompt
+leaves no room), 422 a non-JSON content type, 429 no session capacity, 500 a failure
+inside the proxy (reported to the session's diagnostics).
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import os
+import sys
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from areal.infra import workflow_context
+from areal.proxy.adapters.anthropic import (
+    AnthropicRequestError,
+    chat_to_message,
+    message_stream_events,
+    messages_to_chat,
+)
+from areal.proxy.adapters.chat_stream import chat_stream_chunks
+from areal.proxy.adapters.responses import (
+    ResponsesRequestError,
+    chat_to_response,
+    response_stream_events,
+    responses_to_chat,
+)
+from areal.proxy.chat import ChatGenerator, ChatRequestError, ContextLengthExceededError
+from areal.proxy.interaction import Interaction, PrefixMatcher
+from areal.proxy.keys import candidate_tokens, derive_gateway_key, same_secret, validate_admin_key
+from areal.proxy.messages import MessagePreprocessor
+from areal.proxy.sessions import ProxyAuthError, Session, SessionStore
+from areal.utils import logging
+
+try:
+    import orjson
+
+    def _dumps(value: Any) -> bytes:
+        return orjson.dumps(value)
+
+    def _loads(raw: bytes) -> Any:
+        return orjson.loads(raw)
+
+except ImportError:  # pragma: no cover - orjson is a dependency, but keep working without
+    import json
+
+    def _dumps(value: Any) -> bytes:
+        return json.dumps(value, separators=(",", ":")).encode()
+
+    def _loads(raw: bytes) -> Any:
+        return json.loads(raw)
+
+
+__all__ = ["ProxyServer", "main", "serialize_interactions"]
+
+logger = logging.getLogger("proxy.server")
+SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
+
+
+def json_response(content: Any, status: int = 200) -> Response:
+    return Response(_dumps(content), status_code=status, media_type="application/json")
+
+
+def error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    anthropic: bool = False,
+    **extra: Any,
+) -> Response:
+    if anthropic:
+        return json_response(
+            {"type": "error", "error": {"type": kind, "message": message}, **extra}, status
+        )
+    return json_response({"error": {"message": message, "type": kind}, **extra}, status)
+
+
+def serialize_interactions(interactions: Iterable[Interaction], session_id: str) -> list[dict]:
+    """Exported interactions as JSON: tensors travel as base64 of their raw bytes."""
+    out = []
+    for interaction in interactions:
+        tensors = {
+            key: {
+                "dtype": str(t.dtype).removeprefix("torch."),
+                "shape": list(t.shape),
+                "data": base64.b64encode(t.contiguous().numpy().tobytes()).decode("ascii"),
+            }
+            for key, t in interaction.to_tensor_dict().items()
+        }
+        out.append(
+            {
+                "id": interaction.id,
+                "reward": interaction.reward,
+                "tensors": tensors,
+                "metadata": {"session_id": session_id, **interaction.metadata},
+            }
+        )
+    return out
+
+
+class ProxyServer:
+    """Sessions, keys and the generation endpoints around one :class:`ChatGenerator`."""
+
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        admin_api_key: str,
+        *,
+        host: str = "127.0.0.1",
+        tool_call_parser: Any = None,
+        reasoning_parser: Any = None,
+        chat_template_type: str = "hf",
+        engine_max_tokens: int | None = None,
+        session_timeout: float = 3600.0,
+        preprocessors: list[MessagePreprocessor] | None = None,
+        prefix_matcher: PrefixMatcher | None = None,
+        expected_temperature: float | None = None,
+        deterministic: bool = False,
+        role: str = "proxy",
+        worker_index: int = 0,
+    ):
+        self.admin_key = validate_admin_key(admin_api_key, host)
+        self.gateway_key = derive_gateway_key(self.admin_key)
+        self.engine = engine
+        self.role, self.worker_index = role, worker_index
+        self.store = SessionStore(self.admin_key, session_timeout, prefix_matcher)
+        self.chat = ChatGenerator(
+            engine,
+            tokenizer,
+            tool_call_parser=tool_call_parser,
+            reasoning_parser=reasoning_parser,
+            engine_max_tokens=engine_max_tokens,
+            chat_template_type=chat_template_type,
+            preprocessors=preprocessors,
+            expected_temperature=expected_temperature,
+            deterministic=deterministic,
+        )
+        logging.register_secret(self.admin_key)
+        logging.register_secret(self.gateway_key)
+        self.app = Starlette(routes=self._routes(), lifespan=self._lifespan)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        yield
+        await workflow_context.close_clients()  # this loop's engine HTTP clients
+
+    # --- auth ---
+
+    def _require_admin(self, request: Request) -> None:
+        tokens = candidate_tokens(request.headers)
+        if not tokens:
+            raise ProxyAuthError(401, "missing API key")
+        if not any(same_secret(t, self.admin_key) for t in tokens):
+            raise ProxyAuthError(403, "this endpoint needs the admin key")
+
+    def _session(self, request: Request, allow_gateway: bool = True) -> Session:
+        tokens = candidate_tokens(request.headers)
+        if not tokens:
+            raise ProxyAuthError(401, "missing API key")
+        for token in tokens:
+            session = self.store.by_key(token)
+            if session is not None:
+                return session
+        for token in tokens:
+            if same_secret(token, self.gateway_key):
+                if not allow_gateway:
+                    raise ProxyAuthError(403, "the gateway key can only generate")
+                return self.store.by_gateway_headers(
+                    request.headers.get("x-session-id"), request.headers.get("x-session-token")
+                )
+        raise ProxyAuthError(401, "unknown API key")
+
+    async def _body(self, request: Request, require_json: bool = True) -> dict[str, Any]:
+        if require_json and "json" not in request.headers.get("content-type", ""):
+            raise ProxyAuthError(422, "Content-Type must be application/json")
+        raw = await request.body()
+        if not raw:
+            return {}
+        try:
+            body = _loads(raw)
+        except ValueError:
+            raise ProxyAuthError(400, "the request body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise ProxyAuthError(400, "the request body must be a JSON object")
+        return body
+
+    # --- management ---
+
+    async def health(self, request: Request) -> Response:
+        return json_response(
+            {
+                "status": "ok",
+                "initialized": self.engine is not None,
+                "role": self.role,
+                "worker_index": self.worker_index,
+                "sessions": len(self.store),
+            }
+        )
+
+    async def root(self, request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    async def grant_capacity(self, request: Request) -> Response:
+        self._require_admin(request)
+        return json_response({"capacity": self.store.grant_capacity()})
+
+    async def start_session(self, request: Request) -> Response:
+        self._require_admin(request)
+        body = await self._body(request, require_json=False)
+        task_id = body.get("task_id")
+        if not isinstance(task_id, str) or not task_id:
+            raise ProxyAuthError(400, "task_id must be a non-empty string")
+        session = self.store.start(task_id, body.get("api_key"), body.get("metadata"))
+        return json_response({"session_id": session.session_id, "api_key": session.api_key})
+
+    async def end_session(self, request: Request) -> Response:
+        session = self._session(request, allow_gateway=False)
+        session.finish()
+        return json_response({"message": "success", **session.diagnostics()})
+
+    async def set_reward(self, request: Request) -> Response:
+        session = self._session(request, allow_gateway=False)
+        body = await self._body(request, require_json=False)
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, (int, float)):
+            raise ProxyAuthError(400, "reward must be a number")
+        session.touch()
+        try:
+            target = session.cache.set_reward(body.get("interaction_id"), float(reward))
+        except KeyError as e:
+            raise ProxyAuthError(400, str(e.args[0])) from None
+        return json_response({"message": "success", "interaction_id": target.id})
+
+    async def export_trajectories(self, request: Request) -> Response:
+        self._require_admin(request)
+        body = await self._body(request, require_json=False)
+        session_id = body.get("session_id")
+        if not isinstance(session_id, str):
+            raise ProxyAuthError(422, "session_id is required")
+        session = self.store.get(session_id)
+        if session is None:
+            raise ProxyAuthError(404, f"unknown session {session_id!r}")
+        await session.finished_event().wait()
+        if body.get("drop_retry_orphans"):
+            session.cache.drop_retry_orphans()
+        session.cache.apply_reward_discount(float(body.get("discount", 1.0)))
+        try:
+            exported = session.cache.export(body.get("style", "individual"))
+        except ValueError as e:
+            raise ProxyAuthError(400, str(e)) from None
+        self.store.remove(session_id)
+        return json_response(
+            {
+                "interactions": serialize_interactions(exported.values(), session_id),
+                **session.diagnostics(),
+            }
+        )
+
+    async def set_version(self, request: Request) -> Response:
+        self._require_admin(request)
+        body = await self._body(request, require_json=False)
+        self.engine.set_version(int(body["version"]))
+        return json_response({"version": self.engine.get_version()})
+
+    async def pause(self, request: Request) -> Response:
+        self._require_admin(request)
+        self.engine.pause()
+        return json_response({"paused": True})
+
+    async def resume(self, request: Request) -> Response:
+        self._require_admin(request)
+        self.engine.resume()
+        return json_response({"paused": False})
+
+    # --- generation ---
+
+    async def _generate(self, session: Session, chat_body: dict[str, Any]):
+        session.touch()
+        try:
+            return await self.chat.create(
+                chat_body,
+                cache=session.cache,
+                seed_key=session.task_id,
+                request_index=session.next_request_index(),
+            )
+        except ContextLengthExceededError as e:
+            session.context_overflow, session.context_overflow_message = True, str(e)
+            raise
+        except ChatRequestError:
+            raise
+        except Exception as e:
+            logger.exception("generation failed in session %s", session.session_id)
+            session.system_error, session.system_error_message = True, f"{type(e).__name__}: {e}"
+            raise
+
+    async def chat_completions(self, request: Request) -> Response:
+        session = self._session(request)
+        body = await self._body(request)
+        result = await self._generate(session, body)
+        if body.get("stream"):
+            return self._sse((None, chunk) for chunk in chat_stream_chunks(result.completion))
+        return json_response(result.completion)
+
+    async def responses(self, request: Request) -> Response:
+        session = self._session(request)
+        body = await self._body(request)
+        try:
+            chat_body, custom_tools = responses_to_chat(body)
+        except (ResponsesRequestError, KeyError, TypeError) as e:
+            raise ChatRequestError(f"cannot translate the Responses request: {e}") from None
+        result = await self._generate(session, chat_body)
+        response = chat_to_response(result.completion, body, custom_tools)
+        if body.get("stream"):
+            return self._sse((event["type"], event) for event in response_stream_events(response))
+        return json_response(response)
+
+    async def messages(self, request: Request) -> Response:
+        session = self._session(request)
+        body = await self._body(request)
+        try:
+            chat_body = messages_to_chat(body)
+        except AnthropicRequestError as e:
+            raise ChatRequestError(str(e)) from None
+        result = await self._generate(session, chat_body)
+        message = chat_to_message(result.completion, body.get("model"))
+        if body.get("stream"):
+            return self._sse(message_stream_events(message))
+        return json_response(message)
+
+    def _sse(self, events: Iterable[tuple[str | None, Any]]) -> Response:
+        return StreamingResponse(
+            self._sse_body(events), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    @staticmethod
+    async def _sse_body(events: Iterable[tuple[str | None, Any]]) -> AsyncIterator[bytes]:
+        named = False
+        for name, data in events:
+            named = named or name is not None
+            prefix = f"event: {name}\n".encode() if name else b""
+            yield prefix + b"data: " + _dumps(data) + b"\n\n"
+        if not named:
+            yield b"data: [DONE]\n\n"
+
+    # --- wiring ---
+
+    def _guard(self, handler, anthropic: bool = False):
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ProxyAuthError as e:
+                kind = {
+                    401: "authentication_error",
+                    403: "permission_error",
+                    429: "rate_limit_error",
+                }.get(e.status, "invalid_request_error")
+                return error(e.status, e.message, kind, anthropic)
+            except ContextLengthExceededError as e:
+                detail = {"type": "context_length_exceeded", "message": str(e)}
+                return error(400, str(e), "context_length_exceeded", anthropic, detail=detail)
+            except ChatRequestError as e:
+                return error(400, str(e), "invalid_request_error", anthropic)
+            except Exception as e:
+                return error(500, f"{type(e).__name__}: {e}", "api_error", anthropic)
+
+        return endpoint
+
+    def _routes(self) -> list[Route]:
+        g = self._guard
+        return [
+            Route("/health", g(self.health), methods=["GET"]),
+            Route("/", g(self.root), methods=["GET", "HEAD"]),
+            Route("/grant_capacity", g(self.grant_capacity), methods=["POST"]),
+            Route("/rl/start_session", g(self.start_session), methods=["POST"]),
+            Route("/rl/end_session", g(self.end_session), methods=["POST"]),
+            Route("/rl/set_reward", g(self.set_reward), methods=["POST"]),
+            Route("/export_trajectories", g(self.export_trajectories), methods=["POST"]),
+            Route("/rl/set_version", g(self.set_version), methods=["POST"]),
+            Route("/rl/pause", g(self.pause), methods=["POST"]),
+            Route("/rl/resume", g(self.resume), methods=["POST"]),
+            Route("/chat/completions", g(self.chat_completions), methods=["POST"]),
+            Route("/v1/chat/completions", g(self.chat_completions), methods=["POST"]),
+            Route("/responses", g(self.responses), methods=["POST"]),
+            Route("/v1/responses", g(self.responses), methods=["POST"]),
+            Route("/v1/messages", g(self.messages, anthropic=True), methods=["POST"]),
+        ]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m areal.proxy.server",
+        description="Rollout proxy: OpenAI/Anthropic-compatible endpoints that record tokens. "
+        "The admin key is read from SWE_RL_ADMIN_API_KEY.",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--engine-addr", required=True, help="HOST:PORT of the inference server")
+    parser.add_argument("--tokenizer-path", required=True)
+    parser.add_argument("--tool-call-parser", default="qwen25")
+    parser.add_argument("--reasoning-parser", default="qwen3")
+    parser.add_argument("--chat-template-type", default="hf", choices=["hf", "concat"])
+    parser.add_argument("--engine-max-tokens", type=int, default=None)
+    parser.add_argument("--session-timeout", type=float, default=3600.0)
+    parser.add_argument("--request-timeout", type=float, default=3600.0)
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+    from transformers import AutoTokenizer
+
+    from areal.api.cli_args import InferenceEngineConfig
+    from areal.engine.sglang_remote import RemoteSGLangEngine
+    from areal.proxy.parsers import get_reasoning_parser_or_none, get_tool_call_parser_or_none
+
+    args = _parser().parse_args(argv)
+    admin_key = os.environ.get("SWE_RL_ADMIN_API_KEY", "")
+    if not admin_key.strip():
+        print(
+            "areal.proxy.server: error: set SWE_RL_ADMIN_API_KEY (the admin key is never "
+            "taken from the command line)",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    try:
+        tool_parser = get_tool_call_parser_or_none(args.tool_call_parser)
+        reasoning_parser = get_reasoning_parser_or_none(args.reasoning_parser)
+        validate_admin_key(admin_key, args.host)
+    except ValueError as e:
+        print(f"areal.proxy.server: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    engine = RemoteSGLangEngine(
+        InferenceEngineConfig(backend="sglang:d1", request_timeout=args.request_timeout)
+    )
+    engine.initialize(addr=args.engine_addr)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
+    server = ProxyServer(
+        engine,
+        tokenizer,
+        admin_key,
+        host=args.host,
+        tool_call_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
+        chat_template_type=args.chat_template_type,
+        engine_max_tokens=args.engine_max_tokens,
+        session_timeout=args.session_timeout,
+    )
+    logger.info("proxy on %s:%d in front of %s", args.host, args.port, args.engine_addr)
+    uvicorn.run(
+        server.app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_keep_alive=300,
+        access_log=False,
+    )
+
+
+if __name__ == "__main__":
+    main()

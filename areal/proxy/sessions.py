@@ -1,0 +1,169 @@
+"""Sessions of the rollout proxy: creation under capacity, key lookup, idle sweeping.
+
+A session collects the interactions of one rollout sample. It is started (admin), used
+for generation and rewards (session key, or the gateway key plus session headers),
+ended (session key) and finally exported and deleted (admin). Sessions idle for longer
+than ``session_timeout`` seconds are swept (at most once a minute, on session start).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal.proxy.interaction import InteractionCache, PrefixMatcher
+from areal.proxy.keys import derive_session_token, new_session_key, same_secret
+
+__all__ = ["ProxyAuthError", "Session", "SessionStore"]
+
+SWEEP_INTERVAL = 60.0
+
+
+class ProxyAuthError(Exception):
+    """An authentication or admission failure with its HTTP status."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Session:
+    session_id: str
+    task_id: str
+    api_key: str
+    cache: InteractionCache
+    metadata: dict[str, Any] = field(default_factory=dict)
+    finished: bool = False
+    last_access: float = field(default_factory=time.monotonic)
+    context_overflow: bool = False
+    context_overflow_message: str | None = None
+    system_error: bool = False
+    system_error_message: str | None = None
+    _requests: itertools.count = field(default_factory=itertools.count, repr=False)
+    _finished_event: asyncio.Event | None = field(default=None, repr=False)
+
+    def touch(self) -> None:
+        self.last_access = time.monotonic()
+
+    def next_request_index(self) -> int:
+        return next(self._requests)
+
+    def finished_event(self) -> asyncio.Event:
+        if self._finished_event is None:
+            self._finished_event = asyncio.Event()
+            if self.finished:
+                self._finished_event.set()
+        return self._finished_event
+
+    def finish(self) -> None:
+        self.finished = True
+        if self._finished_event is not None:
+            self._finished_event.set()
+
+    def diagnostics(self) -> dict[str, Any]:
+        return {
+            "interaction_count": len(self.cache),
+            "context_overflow": self.context_overflow,
+            "context_overflow_message": self.context_overflow_message,
+            "system_error": self.system_error,
+            "system_error_message": self.system_error_message,
+        }
+
+
+class SessionStore:
+    """All sessions of one proxy, keyed by id and by session key."""
+
+    def __init__(
+        self,
+        admin_key: str,
+        session_timeout: float = 3600.0,
+        prefix_matcher: PrefixMatcher | None = None,
+    ):
+        self.admin_key = admin_key
+        self.session_timeout = session_timeout
+        self.prefix_matcher = prefix_matcher
+        self.capacity = 0
+        self._sessions: dict[str, Session] = {}
+        self._key_to_session: dict[str, str] = {}
+        self._last_sweep = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def grant_capacity(self, count: int = 1) -> int:
+        self.capacity += count
+        return self.capacity
+
+    def start(
+        self, task_id: str, api_key: str | None = None, metadata: dict | None = None
+    ) -> Session:
+        self._maybe_sweep()
+        if self.capacity <= 0:
+            raise ProxyAuthError(429, "no session capacity; the controller has not admitted one")
+        if api_key is not None and same_secret(api_key, self.admin_key):
+            raise ProxyAuthError(400, "the admin key cannot be a session key")
+        if api_key is not None:
+            bound = self._key_to_session.get(api_key)
+            if bound is not None and bound in self._sessions and not self._sessions[bound].finished:
+                raise ProxyAuthError(409, "this api_key is bound to an unfinished session")
+        key = api_key or new_session_key()
+        session_id = next(
+            f"{task_id}-{k}" for k in itertools.count() if f"{task_id}-{k}" not in self._sessions
+        )
+        self.capacity -= 1
+        session = Session(
+            session_id=session_id,
+            task_id=task_id,
+            api_key=key,
+            cache=InteractionCache(self.prefix_matcher),
+            metadata=dict(metadata or {}),
+        )
+        self._sessions[session_id] = session
+        self._key_to_session[key] = session_id
+        return session
+
+    def get(self, session_id: str) -> Session | None:
+        return self._sessions.get(session_id)
+
+    def by_key(self, token: str) -> Session | None:
+        """The session of a session key; raises 410 for a key whose session is gone."""
+        session_id = self._key_to_session.get(token)
+        if session_id is None:
+            return None
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise ProxyAuthError(410, "the session of this key has ended and was removed")
+        return session
+
+    def by_gateway_headers(self, session_id: str | None, token: str | None) -> Session:
+        """The session a gateway request names, after checking its token."""
+        if not session_id or not token:
+            raise ProxyAuthError(401, "the gateway key needs X-Session-Id and X-Session-Token")
+        if not same_secret(token, derive_session_token(self.admin_key, session_id)):
+            raise ProxyAuthError(401, "X-Session-Token does not match X-Session-Id")
+        session = self._sessions.get(session_id)
+        if session is None or session.finished:
+            raise ProxyAuthError(401, f"session {session_id!r} is not active")
+        return session
+
+    def remove(self, session_id: str) -> Session | None:
+        """Drop a session; its key keeps answering 410 until the next sweep."""
+        return self._sessions.pop(session_id, None)
+
+    def _maybe_sweep(self) -> None:
+        now = time.monotonic()
+        if now - self._last_sweep < SWEEP_INTERVAL:
+            return
+        self._last_sweep = now
+        for session_id in [
+            sid for sid, s in self._sessions.items() if now - s.last_access > self.session_timeout
+        ]:
+            self.remove(session_id)
+        live = set(self._sessions)
+        for key in [k for k, sid in self._key_to_session.items() if sid not in live]:
+            del self._key_to_session[key]
