@@ -18,7 +18,6 @@ import asyncio
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from areal.utils.network import find_free_port, wait_healthy  # noqa: E402
 from areal.utils.table import render_table  # noqa: E402
 from areal.utils.tiny_model import build_tiny_model  # noqa: E402
 
@@ -43,12 +43,6 @@ QWEN2_05B = dict(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_model(kind: str, directory: Path, dtype: str) -> Path:
     if kind == "tiny":
         return build_tiny_model(directory, dtype="float32")
@@ -60,9 +54,7 @@ def build_model(kind: str, directory: Path, dtype: str) -> Path:
 def start_server(
     model: Path, device: str, dtype: str, max_running: int
 ) -> tuple[subprocess.Popen, str]:
-    import httpx
-
-    port = free_port()
+    port = find_free_port("127.0.0.1")
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -82,18 +74,12 @@ def start_server(
         cwd=ROOT,
         env={**os.environ, "PYTHONPATH": f"{ROOT}:{os.environ.get('PYTHONPATH', '')}"},
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    try:
+        wait_healthy(f"127.0.0.1:{port}", proc, timeout=600, what="inference server")
+    except BaseException:
+        proc.kill()
+        raise
+    return proc, f"http://127.0.0.1:{port}"
 
 
 def prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:

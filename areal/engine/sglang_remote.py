@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 import httpx
+import orjson
 
 from areal.api.cli_args import InferenceEngineConfig
 from areal.api.engine_api import InferenceEngine
@@ -36,7 +37,7 @@ from areal.engine.sglang_backend import HFBackend, SGLangBackend
 from areal.infra import workflow_context
 from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils import logging, name_resolve, names
-from areal.utils.network import find_free_port, gethostip
+from areal.utils.network import find_free_port, gethostip, wait_healthy
 
 __all__ = ["HFBackend", "RemoteInfEngine", "RemoteSGLangEngine", "SGLangBackend"]
 
@@ -104,26 +105,14 @@ class RemoteInfEngine(InferenceEngine):
         )
 
     def _wait_healthy(self, address: str, process: subprocess.Popen | None = None) -> None:
-        deadline = time.monotonic() + self.config.setup_timeout
-        last_log = time.monotonic()
-        while True:
-            if process is not None and process.poll() is not None:
-                raise RuntimeError(
-                    f"inference server {address} exited with code {process.returncode}"
-                )
-            try:
-                if httpx.get(f"http://{address}/health", timeout=30).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"inference server {address} not healthy after {self.config.setup_timeout}s"
-                )
-            if time.monotonic() - last_log > 60:
+        last_log = [time.monotonic()]
+
+        def progress() -> None:
+            if time.monotonic() - last_log[0] > 60:
                 logger.info("waiting for inference server %s", address)
-                last_log = time.monotonic()
-            time.sleep(1)
+                last_log[0] = time.monotonic()
+
+        wait_healthy(address, process, self.config.setup_timeout, "inference server", progress)
 
     def destroy(self) -> None:
         if self.workflow_executor is not None:
@@ -205,25 +194,19 @@ class RemoteInfEngine(InferenceEngine):
     async def _post_json(
         self, address: str, request: HttpRequest, retries: int, timeout: float
     ) -> Any:
-        import aiohttp
-
-        session = await workflow_context.get_aiohttp_session()
+        pool = workflow_context.get_http_pool()
+        body = orjson.dumps(request.payload)
         last: Exception | None = None
         for attempt in range(retries):
             try:
-                async with session.request(
-                    request.method,
-                    f"http://{address}{request.endpoint}",
-                    json=request.payload,
-                    timeout=aiohttp.ClientTimeout(total=timeout),
-                ) as response:
-                    if response.status >= 300:
-                        body = (await response.text())[:500]
-                        raise RuntimeError(
-                            f"{request.endpoint} on {address}: HTTP {response.status}: {body}"
-                        )
-                    return await response.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError, RuntimeError) as e:
+                status, raw = await pool.request(
+                    request.method, address, request.endpoint, body, timeout
+                )
+                if status >= 300:
+                    text = raw[:500].decode(errors="replace")
+                    raise RuntimeError(f"{request.endpoint} on {address}: HTTP {status}: {text}")
+                return orjson.loads(raw)
+            except (ConnectionError, TimeoutError, RuntimeError, orjson.JSONDecodeError) as e:
                 last = e
                 if attempt < retries - 1:
                     await asyncio.sleep(1)

@@ -22,6 +22,7 @@ __all__ = [
     "close_clients",
     "get",
     "get_aiohttp_session",
+    "get_http_pool",
     "get_httpx_client",
     "scoped",
     "set",
@@ -67,6 +68,22 @@ def stat_scope() -> str:
 _lock = threading.Lock()
 _aiohttp: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _httpx: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_pools: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def get_http_pool():
+    """This event loop's keep-alive pool for engine requests (created on first use)."""
+    from areal.utils.http_pool import HTTPPool
+
+    loop = asyncio.get_running_loop()
+    pool = _pools.get(loop)
+    if pool is not None and not pool.closed:  # the hot path: no lock needed to read
+        return pool
+    with _lock:
+        pool = _pools.get(loop)
+        if pool is None or pool.closed:
+            pool = _pools[loop] = HTTPPool()
+        return pool
 
 
 async def get_aiohttp_session():
@@ -103,6 +120,9 @@ async def close_clients() -> None:
     loop = asyncio.get_running_loop()
     with _lock:
         session, client = _aiohttp.pop(loop, None), _httpx.pop(loop, None)
+        pool = _pools.pop(loop, None)
+    if pool is not None:
+        await pool.close()
     if session is not None:
         await session.close()
     if client is not None:

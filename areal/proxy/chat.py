@@ -13,7 +13,7 @@ import hashlib
 import json
 import os
 import time
-import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,6 +76,10 @@ class GeneratedChat:
     response: ModelResponse
     interaction: Interaction | None
     prompt_tokens: list[int] = field(default_factory=list)
+
+
+def _completion_id() -> str:
+    return f"chatcmpl-{os.urandom(15).hex()[:29]}"
 
 
 def _normalize_tools(tools: list[dict] | None) -> list[dict] | None:
@@ -148,6 +152,7 @@ class ChatGenerator:
         )
         self._warned: set[str] = set()
         self._warn_once = os.environ.get("AREAL_PROXY_WARN_ONCE", "") == "1"
+        self._encode = self._fast_encoder()
 
     # --- helpers ---
 
@@ -157,18 +162,55 @@ class ChatGenerator:
         self._warned.add(key)
         logger.warning(message)
 
-    def render(
+    def warm_up(self) -> None:
+        """Compile the chat template before the first request needs it."""
+        self.render([{"role": "user", "content": "warm-up"}], None, None)
+
+    def _fast_encoder(self) -> Callable[[str], list[int]] | None:
+        """The Rust tokenizer's own ``encode``, when it is what ``tokenizer(text)`` runs.
+
+        A fast tokenizer with no truncation, padding or special-token splitting encodes
+        exactly like its backend; the wrapper only adds Python overhead per call. Checked
+        once on a probe text; anything else keeps the wrapper.
+        """
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None or getattr(self.tokenizer, "split_special_tokens", False):
+            return None
+        if backend.truncation is not None or backend.padding is not None:
+            return None
+        if getattr(backend, "encode_special_tokens", False):
+            return None
+
+        def encode(text: str) -> list[int]:
+            return backend.encode(text, add_special_tokens=False).ids
+
+        special = "".join(str(t) for t in self.tokenizer.all_special_tokens)
+        probe = f' Hi there!{special}\n  déjà vu\t{{"a": [1, 2]}}\n'
+        slow = self.tokenizer(probe, add_special_tokens=False)["input_ids"]
+        return encode if encode(probe) == list(slow) else None
+
+    def render_text(
         self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None
-    ) -> list[int]:
-        """Chat-template tokens of the conversation, with the generation prompt."""
-        text = self.tokenizer.apply_chat_template(
+    ) -> str:
+        """The chat template over the conversation, with the generation prompt."""
+        return self.tokenizer.apply_chat_template(
             _template_messages(messages),
             tools=tools,
             add_generation_prompt=True,
             tokenize=False,
             **(template_kwargs or {}),
         )
+
+    def encode(self, text: str) -> list[int]:
+        if self._encode is not None:
+            return self._encode(text)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def render(
+        self, messages: list[dict], tools: list[dict] | None, template_kwargs: dict | None
+    ) -> list[int]:
+        """Chat-template tokens of the conversation, with the generation prompt."""
+        return self.encode(self.render_text(messages, tools, template_kwargs))
 
     def _concat_prompt(
         self,
@@ -179,6 +221,9 @@ class ChatGenerator:
     ) -> list[int] | None:
         """The parent's exact tokens + EOS + the re-rendered tokens after the matching EOS.
 
+        Only the text from the matching EOS on is tokenized: special tokens split the
+        input before the tokenizer's model runs, so that tail tokenizes exactly as it does
+        inside the whole conversation, and a long session costs one new turn per call.
         Returns ``None`` when the re-rendered conversation cannot be aligned with the
         parent's tokens (the child is then trained on its own).
         """
@@ -187,12 +232,17 @@ class ChatGenerator:
         while output and output[-1] in self.stop_ids:
             output.pop()
         head = parent.prompt_tokens + output + [self.eos_id]
-        full = self.render(messages, tools, template_kwargs)
-        k = head.count(self.eos_id)
-        positions = [i for i, t in enumerate(full) if t == self.eos_id]
-        if len(positions) < k or positions[k - 1] == len(full) - 1:
+        text = self.render_text(messages, tools, template_kwargs)
+        eos_text = self.tokenizer.eos_token
+        at = -1
+        for _ in range(head.count(self.eos_id)):
+            at = text.find(eos_text, at + 1)
+            if at < 0:
+                return None
+        tail = self.encode(text[at:])
+        if len(tail) < 2 or tail[0] != self.eos_id:
             return None
-        prompt = head + full[positions[k - 1] + 1 :]
+        prompt = head + tail[1:]
         parent_sequence = parent.sequence
         if prompt[: len(parent_sequence)] != parent_sequence:
             return None  # the parent ended on another stop token: not an exact prefix
@@ -302,7 +352,7 @@ class ChatGenerator:
             assert cache is not None
             parent, _ = cache.find_parent(messages)
             interaction = Interaction(
-                id=f"chatcmpl-{uuid.uuid4().hex[:29]}",
+                id=_completion_id(),
                 messages=[dict(m) for m in messages],
                 chat_template_type=self.chat_template_type,
             )
@@ -346,7 +396,7 @@ class ChatGenerator:
             ModelRequest(
                 input_ids=list(prompt),
                 gconfig=gconfig,
-                rid=uuid.uuid4().hex,
+                rid=os.urandom(16).hex(),
                 tokenizer=self.tokenizer,
             )
         )
@@ -368,9 +418,7 @@ class ChatGenerator:
         if tool_calls:
             message["tool_calls"] = tool_calls
         completion = {
-            "id": interaction.id
-            if interaction is not None
-            else f"chatcmpl-{uuid.uuid4().hex[:29]}",
+            "id": interaction.id if interaction is not None else _completion_id(),
             "object": "chat.completion",
             "created": int(time.time()),
             "model": body.get("model") or "default",

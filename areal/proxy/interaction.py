@@ -32,6 +32,14 @@ __all__ = [
 logger = logging.getLogger("proxy.interaction")
 
 PrefixMatcher = Callable[[list[dict], list[dict]], bool]
+# the per-token training columns and their dtypes (besides attention_mask and rewards)
+COLUMN_DTYPES = (
+    ("input_ids", torch.int64),
+    ("loss_mask", torch.int64),
+    ("logprobs", torch.float32),
+    ("versions", torch.int64),
+    ("turn_ids", torch.int32),
+)
 
 
 def default_prefix_matcher(prefix: list[dict], messages: list[dict]) -> bool:
@@ -57,7 +65,7 @@ class Interaction:
     sampling: dict[str, Any] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
     concat_prefix_mismatch: bool = False
-    _tensors: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    _columns: dict[str, list] | None = field(default=None, repr=False)
 
     @property
     def is_complete(self) -> bool:
@@ -69,15 +77,15 @@ class Interaction:
         assert self.response is not None
         return self.prompt_tokens + self.response.output_tokens
 
-    def to_tensor_dict(self) -> dict[str, torch.Tensor]:
-        """Training tensors, each ``[1, len(sequence)]`` (rewards ``[1]``).
+    def columns(self) -> dict[str, list]:
+        """Per-token training columns as lists, each ``len(sequence)`` long (cached).
 
         ``loss_mask`` is 1 on generated tokens; in concat mode the parent's positions are
         copied from the parent, so earlier model turns stay trainable with their own
         log-probs, versions and turn ids.
         """
-        if self._tensors is not None:
-            return self._tensors
+        if self._columns is not None:
+            return self._columns
         assert self.response is not None, "interaction has no response yet"
         out_len = len(self.response.output_tokens)
         seq = self.sequence
@@ -89,42 +97,47 @@ class Interaction:
         turn_ids = [-1] * n
         parent = self.parent if self.chat_template_type == "concat" else None
         if parent is not None:
-            head = parent.to_tensor_dict()
-            p = head["input_ids"].shape[1]
+            head = parent.columns()
+            p = len(head["input_ids"])
             if n > p:
-                loss_mask[:p] = head["loss_mask"][0].tolist()
-                logprobs[:p] = head["logprobs"][0].tolist()
-                versions[:p] = head["versions"][0].tolist()
-                turn_ids[:p] = head["turn_ids"][0].tolist()
-                turn = int(head["turn_ids"].max()) + 1
+                loss_mask[:p] = head["loss_mask"]
+                logprobs[:p] = head["logprobs"]
+                versions[:p] = head["versions"]
+                turn_ids[:p] = head["turn_ids"]
+                turn = max(head["turn_ids"]) + 1
             else:
                 logger.warning(
                     "interaction %s is not longer than its parent; parent ignored", self.id
                 )
-        for i in range(n - out_len, n):
-            turn_ids[i] = turn
-        reward = 0.0 if self.reward is None else float(self.reward)
-        original = reward if self.original_reward is None else float(self.original_reward)
-        self._tensors = {
-            "input_ids": torch.tensor([seq], dtype=torch.int64),
-            "loss_mask": torch.tensor([loss_mask], dtype=torch.int64),
-            "logprobs": torch.tensor([logprobs], dtype=torch.float32),
-            "versions": torch.tensor([versions], dtype=torch.int64),
-            "turn_ids": torch.tensor([turn_ids], dtype=torch.int32),
-            "attention_mask": torch.ones((1, n), dtype=torch.bool),
-            "rewards": torch.tensor([reward], dtype=torch.float32),
-            "original_rewards": torch.tensor([original], dtype=torch.float32),
+        turn_ids[n - out_len :] = [turn] * out_len
+        self._columns = {
+            "input_ids": seq,
+            "loss_mask": loss_mask,
+            "logprobs": logprobs,
+            "versions": versions,
+            "turn_ids": turn_ids,
         }
-        return self._tensors
+        return self._columns
+
+    def rewards(self) -> tuple[float, float]:
+        """``(reward, original_reward)``; an unset reward counts as 0."""
+        reward = 0.0 if self.reward is None else float(self.reward)
+        return reward, reward if self.original_reward is None else float(self.original_reward)
+
+    def to_tensor_dict(self) -> dict[str, torch.Tensor]:
+        """Training tensors, each ``[1, len(sequence)]`` (rewards ``[1]``)."""
+        cols = self.columns()
+        reward, original = self.rewards()
+        tensors = {key: torch.tensor([cols[key]], dtype=dtype) for key, dtype in COLUMN_DTYPES}
+        tensors["attention_mask"] = torch.ones((1, len(cols["input_ids"])), dtype=torch.bool)
+        tensors["rewards"] = torch.tensor([reward], dtype=torch.float32)
+        tensors["original_rewards"] = torch.tensor([original], dtype=torch.float32)
+        return tensors
 
     def set_reward_value(self, reward: float, original: float | None = None) -> None:
         self.reward = float(reward)
         if original is not None:
             self.original_reward = float(original)
-        if self._tensors is not None:  # keep an already built tensor dict in step
-            self._tensors["rewards"] = torch.tensor([self.reward], dtype=torch.float32)
-            value = self.reward if self.original_reward is None else self.original_reward
-            self._tensors["original_rewards"] = torch.tensor([value], dtype=torch.float32)
 
 
 class InteractionCache:

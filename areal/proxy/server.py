@@ -24,15 +24,14 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import gc
 import os
 import sys
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import Route
+import numpy as np
+import orjson
 
 from areal.infra import workflow_context
 from areal.proxy.adapters.anthropic import (
@@ -48,31 +47,13 @@ from areal.proxy.adapters.responses import (
     response_stream_events,
     responses_to_chat,
 )
+from areal.proxy.asgi import App, Endpoint, Request, Response, StreamingResponse
 from areal.proxy.chat import ChatGenerator, ChatRequestError, ContextLengthExceededError
-from areal.proxy.interaction import Interaction, PrefixMatcher
+from areal.proxy.interaction import COLUMN_DTYPES, Interaction, PrefixMatcher
 from areal.proxy.keys import candidate_tokens, derive_gateway_key, same_secret, validate_admin_key
 from areal.proxy.messages import MessagePreprocessor
 from areal.proxy.sessions import ProxyAuthError, Session, SessionStore
 from areal.utils import logging
-
-try:
-    import orjson
-
-    def _dumps(value: Any) -> bytes:
-        return orjson.dumps(value)
-
-    def _loads(raw: bytes) -> Any:
-        return orjson.loads(raw)
-
-except ImportError:  # pragma: no cover - orjson is a dependency, but keep working without
-    import json
-
-    def _dumps(value: Any) -> bytes:
-        return json.dumps(value, separators=(",", ":")).encode()
-
-    def _loads(raw: bytes) -> Any:
-        return json.loads(raw)
-
 
 __all__ = ["ProxyServer", "main", "serialize_interactions"]
 
@@ -81,7 +62,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel
 
 
 def json_response(content: Any, status: int = 200) -> Response:
-    return Response(_dumps(content), status_code=status, media_type="application/json")
+    return Response(orjson.dumps(content), status)
 
 
 def error(
@@ -98,18 +79,25 @@ def error(
     return json_response({"error": {"message": message, "type": kind}, **extra}, status)
 
 
+def _packed(values: Any, dtype: str, shape: list[int]) -> dict[str, Any]:
+    data = np.asarray(values, dtype=dtype).tobytes()
+    return {"dtype": dtype, "shape": shape, "data": base64.b64encode(data).decode("ascii")}
+
+
 def serialize_interactions(interactions: Iterable[Interaction], session_id: str) -> list[dict]:
     """Exported interactions as JSON: tensors travel as base64 of their raw bytes."""
     out = []
     for interaction in interactions:
+        cols = interaction.columns()
+        n = len(cols["input_ids"])
         tensors = {
-            key: {
-                "dtype": str(t.dtype).removeprefix("torch."),
-                "shape": list(t.shape),
-                "data": base64.b64encode(t.contiguous().numpy().tobytes()).decode("ascii"),
-            }
-            for key, t in interaction.to_tensor_dict().items()
+            key: _packed(cols[key], str(dtype).removeprefix("torch."), [1, n])
+            for key, dtype in COLUMN_DTYPES
         }
+        tensors["attention_mask"] = _packed(np.ones(n, dtype=bool), "bool", [1, n])
+        reward, original = interaction.rewards()
+        tensors["rewards"] = _packed([reward], "float32", [1])
+        tensors["original_rewards"] = _packed([original], "float32", [1])
         out.append(
             {
                 "id": interaction.id,
@@ -119,6 +107,37 @@ def serialize_interactions(interactions: Iterable[Interaction], session_id: str)
             }
         )
     return out
+
+
+class _Endpoint:
+    """One handler, with proxy errors mapped to statuses (and Anthropic's error shape)."""
+
+    __slots__ = ("anthropic", "handler")
+
+    def __init__(self, handler: Endpoint, anthropic: bool):
+        self.handler, self.anthropic = handler, anthropic
+
+    async def __call__(self, request: Request) -> Response:
+        return await self.respond(request)
+
+    async def respond(self, request: Request) -> Response:
+        anthropic = self.anthropic
+        try:
+            return await self.handler(request)
+        except ProxyAuthError as e:
+            kind = {
+                401: "authentication_error",
+                403: "permission_error",
+                429: "rate_limit_error",
+            }.get(e.status, "invalid_request_error")
+            return error(e.status, e.message, kind, anthropic)
+        except ContextLengthExceededError as e:
+            detail = {"type": "context_length_exceeded", "message": str(e)}
+            return error(400, str(e), "context_length_exceeded", anthropic, detail=detail)
+        except ChatRequestError as e:
+            return error(400, str(e), "invalid_request_error", anthropic)
+        except Exception as e:
+            return error(500, f"{type(e).__name__}: {e}", "api_error", anthropic)
 
 
 class ProxyServer:
@@ -161,10 +180,10 @@ class ProxyServer:
         )
         logging.register_secret(self.admin_key)
         logging.register_secret(self.gateway_key)
-        self.app = Starlette(routes=self._routes(), lifespan=self._lifespan)
+        self.app = App(self._routes(), lifespan=self._lifespan)
 
     @contextlib.asynccontextmanager
-    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+    async def _lifespan(self) -> AsyncIterator[None]:
         yield
         await workflow_context.close_clients()  # this loop's engine HTTP clients
 
@@ -201,7 +220,7 @@ class ProxyServer:
         if not raw:
             return {}
         try:
-            body = _loads(raw)
+            body = orjson.loads(raw)
         except ValueError:
             raise ProxyAuthError(400, "the request body is not valid JSON") from None
         if not isinstance(body, dict):
@@ -352,9 +371,7 @@ class ProxyServer:
         return json_response(message)
 
     def _sse(self, events: Iterable[tuple[str | None, Any]]) -> Response:
-        return StreamingResponse(
-            self._sse_body(events), media_type="text/event-stream", headers=SSE_HEADERS
-        )
+        return StreamingResponse(self._sse_body(events), headers=SSE_HEADERS)
 
     @staticmethod
     async def _sse_body(events: Iterable[tuple[str | None, Any]]) -> AsyncIterator[bytes]:
@@ -362,52 +379,35 @@ class ProxyServer:
         for name, data in events:
             named = named or name is not None
             prefix = f"event: {name}\n".encode() if name else b""
-            yield prefix + b"data: " + _dumps(data) + b"\n\n"
+            yield prefix + b"data: " + orjson.dumps(data) + b"\n\n"
         if not named:
             yield b"data: [DONE]\n\n"
 
     # --- wiring ---
 
-    def _guard(self, handler, anthropic: bool = False):
-        async def endpoint(request: Request) -> Response:
-            try:
-                return await handler(request)
-            except ProxyAuthError as e:
-                kind = {
-                    401: "authentication_error",
-                    403: "permission_error",
-                    429: "rate_limit_error",
-                }.get(e.status, "invalid_request_error")
-                return error(e.status, e.message, kind, anthropic)
-            except ContextLengthExceededError as e:
-                detail = {"type": "context_length_exceeded", "message": str(e)}
-                return error(400, str(e), "context_length_exceeded", anthropic, detail=detail)
-            except ChatRequestError as e:
-                return error(400, str(e), "invalid_request_error", anthropic)
-            except Exception as e:
-                return error(500, f"{type(e).__name__}: {e}", "api_error", anthropic)
+    def _guard(self, handler, anthropic: bool = False) -> _Endpoint:
+        return _Endpoint(handler, anthropic)
 
-        return endpoint
-
-    def _routes(self) -> list[Route]:
+    def _routes(self) -> dict[str, dict[str, _Endpoint]]:
         g = self._guard
-        return [
-            Route("/health", g(self.health), methods=["GET"]),
-            Route("/", g(self.root), methods=["GET", "HEAD"]),
-            Route("/grant_capacity", g(self.grant_capacity), methods=["POST"]),
-            Route("/rl/start_session", g(self.start_session), methods=["POST"]),
-            Route("/rl/end_session", g(self.end_session), methods=["POST"]),
-            Route("/rl/set_reward", g(self.set_reward), methods=["POST"]),
-            Route("/export_trajectories", g(self.export_trajectories), methods=["POST"]),
-            Route("/rl/set_version", g(self.set_version), methods=["POST"]),
-            Route("/rl/pause", g(self.pause), methods=["POST"]),
-            Route("/rl/resume", g(self.resume), methods=["POST"]),
-            Route("/chat/completions", g(self.chat_completions), methods=["POST"]),
-            Route("/v1/chat/completions", g(self.chat_completions), methods=["POST"]),
-            Route("/responses", g(self.responses), methods=["POST"]),
-            Route("/v1/responses", g(self.responses), methods=["POST"]),
-            Route("/v1/messages", g(self.messages, anthropic=True), methods=["POST"]),
-        ]
+        chat, responses = g(self.chat_completions), g(self.responses)
+        return {
+            "/health": {"GET": g(self.health)},
+            "/": {"GET": g(self.root), "HEAD": g(self.root)},
+            "/grant_capacity": {"POST": g(self.grant_capacity)},
+            "/rl/start_session": {"POST": g(self.start_session)},
+            "/rl/end_session": {"POST": g(self.end_session)},
+            "/rl/set_reward": {"POST": g(self.set_reward)},
+            "/export_trajectories": {"POST": g(self.export_trajectories)},
+            "/rl/set_version": {"POST": g(self.set_version)},
+            "/rl/pause": {"POST": g(self.pause)},
+            "/rl/resume": {"POST": g(self.resume)},
+            "/chat/completions": {"POST": chat},
+            "/v1/chat/completions": {"POST": chat},
+            "/responses": {"POST": responses},
+            "/v1/responses": {"POST": responses},
+            "/v1/messages": {"POST": g(self.messages, anthropic=True)},
+        }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -470,6 +470,12 @@ def main(argv: list[str] | None = None) -> None:
         engine_max_tokens=args.engine_max_tokens,
         session_timeout=args.session_timeout,
     )
+    server.chat.warm_up()
+    # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the
+    # process: keep it out of the cyclic collector's scans, which otherwise stall every
+    # request for ~100 ms at each full collection.
+    gc.collect()
+    gc.freeze()
     logger.info("proxy on %s:%d in front of %s", args.host, args.port, args.engine_addr)
     uvicorn.run(
         server.app,
@@ -478,6 +484,8 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         timeout_keep_alive=300,
         access_log=False,
+        proxy_headers=False,
+        backlog=4096,
     )
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import time
+from collections.abc import Callable
 
-__all__ = ["find_free_port", "find_free_ports", "gethostip"]
+__all__ = ["find_free_port", "find_free_ports", "gethostip", "wait_healthy"]
 
 
 def gethostip() -> str:
@@ -35,3 +38,33 @@ def find_free_ports(count: int, host: str = "") -> list[int]:
     finally:
         for s in sockets:
             s.close()
+
+
+def wait_healthy(
+    address: str,
+    process: subprocess.Popen | None = None,
+    timeout: float = 600.0,
+    what: str = "server",
+    on_wait: Callable[[], None] | None = None,
+) -> None:
+    """Poll ``http://{address}/health`` until it answers 200.
+
+    Raises ``RuntimeError`` when ``process`` exits first and ``TimeoutError`` after
+    ``timeout`` seconds; ``on_wait`` runs between polls (e.g. to log progress).
+    """
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"{what} {address} exited with code {process.returncode}")
+        try:
+            if httpx.get(f"http://{address}/health", timeout=30).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} {address} not healthy after {timeout}s")
+        if on_wait is not None:
+            on_wait()
+        time.sleep(0.2)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -68,6 +69,16 @@ def cfg_field(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+@functools.cache
+def _checked_fields(cls: type) -> tuple[tuple[str, Any, bool], ...]:
+    """``(name, choices, secret)`` of the fields ``__post_init__`` must look at."""
+    return tuple(
+        (f.name, f.metadata.get("choices"), bool(f.metadata.get("secret")))
+        for f in dataclasses.fields(cls)
+        if f.metadata.get("choices") is not None or f.metadata.get("secret")
+    )
+
+
 @dataclasses.dataclass
 class ConfigNode:
     """Base of every config dataclass: checks choices, wraps secrets, then ``validate``.
@@ -78,17 +89,15 @@ class ConfigNode:
     """
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for name, choices, secret in _checked_fields(type(self)):
+            value = getattr(self, name)
             if value == MISSING:
                 continue
-            choices = f.metadata.get("choices")
             if choices is not None and value not in choices:
                 shown = ", ".join(repr(c) for c in choices)
-                raise FieldError(f.name, f"{value!r} is not one of {shown}")
-            is_plain_str = isinstance(value, str) and not isinstance(value, SecretStr)
-            if f.metadata.get("secret") and is_plain_str:
-                setattr(self, f.name, SecretStr(value))
+                raise FieldError(name, f"{value!r} is not one of {shown}")
+            if secret and isinstance(value, str) and not isinstance(value, SecretStr):
+                setattr(self, name, SecretStr(value))
         self.validate()
 
     def validate(self) -> None:
