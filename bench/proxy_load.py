@@ -37,22 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from areal.utils.http_pool import HTTPPool  # noqa: E402
-from areal.utils.network import find_free_ports, wait_healthy  # noqa: E402
+from areal.utils.network import find_free_ports  # noqa: E402
 from areal.utils.table import render_table  # noqa: E402
 from areal.utils.tiny_model import build_tokenizer  # noqa: E402
+from bench.common import start_service  # noqa: E402
 
 ADMIN = "bench-admin-key-0c1d"
 RESULTS = ROOT / "bench" / "results" / "proxy_load.json"
-
-
-def start(name: str, cmd: list[str], port: int, env: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **(env or {})})
-    try:
-        wait_healthy(f"127.0.0.1:{port}", proc, timeout=120, what=name)
-    except BaseException:
-        proc.kill()
-        raise
-    return proc
 
 
 def serving_pid(proc: subprocess.Popen, profiled: bool) -> int:
@@ -257,7 +248,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         build_tokenizer().save_pretrained(tmp)
         backend_port, proxy_port = find_free_ports(2, "127.0.0.1")
-        backend = start(
+        backend = start_service(
             "fake backend",
             [sys.executable, str(ROOT / "bench" / "fake_sglang.py"), "--port", str(backend_port)],
             backend_port,
@@ -266,7 +257,7 @@ def main() -> None:
         if args.profile:  # collapsed stacks unless the path asks for an SVG flame graph
             fmt = "flamegraph" if args.profile.endswith(".svg") else "raw"
             profiler = ["py-spy", "record", "--rate", "250", "-f", fmt, "-o", args.profile, "--"]
-        proxy = start(
+        proxy = start_service(
             "proxy",
             [
                 *profiler,

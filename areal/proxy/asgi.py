@@ -80,11 +80,11 @@ class Response:
 
 
 class StreamingResponse:
-    """A body sent chunk by chunk as the iterator yields (server-sent events)."""
+    """A body sent chunk by chunk as the (sync or async) iterator yields (server-sent events)."""
 
     def __init__(
         self,
-        chunks: AsyncIterator[bytes],
+        chunks: AsyncIterator[bytes] | Iterable[bytes],
         content_type: bytes = b"text/event-stream",
         headers: dict[str, str] | None = None,
     ):
@@ -95,8 +95,12 @@ class StreamingResponse:
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        async for chunk in self.chunks:
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if isinstance(self.chunks, AsyncIterator):
+            async for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        else:
+            for chunk in self.chunks:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
 

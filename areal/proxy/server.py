@@ -34,18 +34,14 @@ import numpy as np
 import orjson
 
 from areal.infra import workflow_context
-from areal.proxy.adapters.anthropic import (
-    AnthropicRequestError,
-    chat_to_message,
-    message_stream_events,
-    messages_to_chat,
-)
-from areal.proxy.adapters.chat_stream import chat_stream_chunks
-from areal.proxy.adapters.responses import (
-    ResponsesRequestError,
-    chat_to_response,
-    response_stream_events,
-    responses_to_chat,
+from areal.proxy.adapters.protocols import (
+    SSE_HEADERS,
+    ProtocolRequestError,
+    error_body,
+    from_chat,
+    sse_chunks,
+    stream_events,
+    to_chat,
 )
 from areal.proxy.asgi import App, Endpoint, Request, Response, StreamingResponse
 from areal.proxy.chat import ChatGenerator, ChatRequestError, ContextLengthExceededError
@@ -58,7 +54,6 @@ from areal.utils import logging
 __all__ = ["ProxyServer", "main", "serialize_interactions"]
 
 logger = logging.getLogger("proxy.server")
-SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
 
 
 def json_response(content: Any, status: int = 200) -> Response:
@@ -72,11 +67,8 @@ def error(
     anthropic: bool = False,
     **extra: Any,
 ) -> Response:
-    if anthropic:
-        return json_response(
-            {"type": "error", "error": {"type": kind, "message": message}, **extra}, status
-        )
-    return json_response({"error": {"message": message, "type": kind}, **extra}, status)
+    protocol = "anthropic" if anthropic else "chat_completions"
+    return json_response(error_body(protocol, message, kind, **extra), status)
 
 
 def _packed(values: Any, dtype: str, shape: list[int]) -> dict[str, Any]:
@@ -336,52 +328,29 @@ class ProxyServer:
             session.system_error, session.system_error_message = True, f"{type(e).__name__}: {e}"
             raise
 
-    async def chat_completions(self, request: Request) -> Response:
+    async def _serve(self, protocol: str, request: Request) -> Response:
         session = self._session(request)
         body = await self._body(request)
-        result = await self._generate(session, body)
-        if body.get("stream"):
-            return self._sse((None, chunk) for chunk in chat_stream_chunks(result.completion))
-        return json_response(result.completion)
+        try:
+            translated = to_chat(protocol, body)
+        except ProtocolRequestError as e:
+            raise ChatRequestError(str(e)) from None
+        result = await self._generate(session, translated.chat)
+        reply = from_chat(translated, result.completion)
+        if translated.stream:
+            return StreamingResponse(
+                sse_chunks(stream_events(translated, reply)), headers=SSE_HEADERS
+            )
+        return json_response(reply)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve("chat_completions", request)
 
     async def responses(self, request: Request) -> Response:
-        session = self._session(request)
-        body = await self._body(request)
-        try:
-            chat_body, custom_tools = responses_to_chat(body)
-        except (ResponsesRequestError, KeyError, TypeError) as e:
-            raise ChatRequestError(f"cannot translate the Responses request: {e}") from None
-        result = await self._generate(session, chat_body)
-        response = chat_to_response(result.completion, body, custom_tools)
-        if body.get("stream"):
-            return self._sse((event["type"], event) for event in response_stream_events(response))
-        return json_response(response)
+        return await self._serve("responses", request)
 
     async def messages(self, request: Request) -> Response:
-        session = self._session(request)
-        body = await self._body(request)
-        try:
-            chat_body = messages_to_chat(body)
-        except AnthropicRequestError as e:
-            raise ChatRequestError(str(e)) from None
-        result = await self._generate(session, chat_body)
-        message = chat_to_message(result.completion, body.get("model"))
-        if body.get("stream"):
-            return self._sse(message_stream_events(message))
-        return json_response(message)
-
-    def _sse(self, events: Iterable[tuple[str | None, Any]]) -> Response:
-        return StreamingResponse(self._sse_body(events), headers=SSE_HEADERS)
-
-    @staticmethod
-    async def _sse_body(events: Iterable[tuple[str | None, Any]]) -> AsyncIterator[bytes]:
-        named = False
-        for name, data in events:
-            named = named or name is not None
-            prefix = f"event: {name}\n".encode() if name else b""
-            yield prefix + b"data: " + orjson.dumps(data) + b"\n\n"
-        if not named:
-            yield b"data: [DONE]\n\n"
+        return await self._serve("anthropic", request)
 
     # --- wiring ---
 

@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
-import uvicorn
 
+from areal.utils.serving import serve_in_thread
 from tests.fakes.scripted_http import ScriptedHTTP
 
 
@@ -54,21 +49,6 @@ class ScriptedASGI:
         await send({"type": "http.response.body", "body": content})
 
 
-@contextmanager
-def serve(app: Any, host: str = "127.0.0.1") -> Iterator[str]:
+def serve(app: Any, host: str = "127.0.0.1"):
     """Run ``app`` with uvicorn in a background thread; yields its base URL."""
-    port = free_port()
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="auto")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("test server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
+    return serve_in_thread(app, host)

@@ -1,0 +1,118 @@
+"""Fault injection for the local Arena: the transient failures a real deployment shows.
+
+Settings come from the catalog's ``faults:`` section, then CLI flags, and can be changed
+while the server runs (``PUT /openapi/v1/local/faults``):
+
+``error_rates``
+    per-request probabilities, applied to every ``/openapi/v1`` call before it is handled
+    (so a rejected request has no effect): ``"429"`` (rate limited), ``"500"``,
+    ``"403_marker"`` (403 whose body carries the gateway's transient-rejection marker) and
+    ``"302_fromspanner"`` (a redirect to the gateway's waiting page).
+``latency_ms``
+    added to every ``/openapi/v1`` and gateway call.
+``force_status``
+    ``{data_id or stream_id: STATUS}``: tasks for that row or Stream end with the status
+    (for example ``HARNESS_FAILED``, ``TIMEOUT``) without running the harness.
+``route_ttl_seconds``
+    registered LLM routes neither registered nor renewed (``PATCH``) within this many
+    seconds are garbage-collected, as real Arena does with idle routes.
+``seed``
+    seeds the error draws, for reproducible runs.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from examples.swe.arena_results import FAILED_TASK_STATUSES, SUCCESS_TASK_STATUSES
+
+__all__ = ["ERROR_KINDS", "SPANNER_MARKER", "FaultConfig", "FaultError"]
+
+SPANNER_MARKER = "spanner-http-ant-group-watch-all"
+WAITING_PAGE = "https://gateway.local-arena.invalid/waiting?fromspanner=apigwmoe_502"
+ERROR_KINDS = ("429", "500", "403_marker", "302_fromspanner")
+TERMINAL_STATUSES = SUCCESS_TASK_STATUSES | FAILED_TASK_STATUSES
+
+
+class FaultError(ValueError):
+    """Invalid fault settings; the message names the field."""
+
+
+@dataclass
+class FaultConfig:
+    error_rates: dict[str, float] = field(default_factory=dict)
+    latency_ms: float = 0.0
+    force_status: dict[str, str] = field(default_factory=dict)
+    route_ttl_seconds: float | None = None
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self._rng = random.Random(self.seed)
+
+    @classmethod
+    def from_mapping(cls, raw: dict[str, Any] | None, where: str = "faults") -> FaultConfig:
+        raw = dict(raw or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise FaultError(f"{where}: unknown keys {unknown}; known keys: {sorted(known)}")
+        rates = raw.get("error_rates") or {}
+        if not isinstance(rates, dict):
+            raise FaultError(f"{where}.error_rates must be a mapping like {{'429': 0.1}}")
+        checked: dict[str, float] = {}
+        for kind, rate in rates.items():
+            kind = str(kind)
+            if kind not in ERROR_KINDS:
+                raise FaultError(f"{where}.error_rates.{kind}: not one of {list(ERROR_KINDS)}")
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
+                raise FaultError(f"{where}.error_rates.{kind}: must be a number in [0, 1]")
+            checked[kind] = float(rate)
+        if sum(checked.values()) > 1:
+            raise FaultError(f"{where}.error_rates: the rates add up to more than 1")
+        forced: dict[str, str] = {}
+        for target, status in (raw.get("force_status") or {}).items():
+            normalized = str(status).strip().upper()
+            if normalized not in TERMINAL_STATUSES:
+                raise FaultError(
+                    f"{where}.force_status.{target}: {status!r} is not a terminal task status "
+                    f"({', '.join(sorted(TERMINAL_STATUSES))})"
+                )
+            forced[str(target)] = normalized
+        latency = raw.get("latency_ms", 0.0)
+        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
+            raise FaultError(f"{where}.latency_ms must be a number >= 0")
+        ttl = raw.get("route_ttl_seconds")
+        if ttl is not None and (
+            isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0
+        ):
+            raise FaultError(f"{where}.route_ttl_seconds must be a positive number or null")
+        seed = raw.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise FaultError(f"{where}.seed must be an integer or null")
+        return cls(checked, float(latency), forced, ttl, seed)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "error_rates": dict(self.error_rates),
+            "latency_ms": self.latency_ms,
+            "force_status": dict(self.force_status),
+            "route_ttl_seconds": self.route_ttl_seconds,
+            "seed": self.seed,
+        }
+
+    def draw_error(self) -> str | None:
+        """The injected error for this request, if any (one draw per request)."""
+        if not self.error_rates:
+            return None
+        x = self._rng.random()
+        for kind in ERROR_KINDS:
+            rate = self.error_rates.get(kind, 0.0)
+            if x < rate:
+                return kind
+            x -= rate
+        return None
+
+    def forced_status(self, stream_id: str, data_id: str) -> str | None:
+        return self.force_status.get(data_id) or self.force_status.get(stream_id)

@@ -1,0 +1,176 @@
+"""Built-in harnesses: ``answer`` (one LLM call) and ``tool_agent`` (a short tool loop).
+
+The ``tool_agent`` model may call ``run_python`` and ``bash``, which run in the shared
+:mod:`examples.swe.local_arena.sandbox` with the task's working directory as HOME, and
+``submit``, whose argument ends the episode as the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from examples.swe.local_arena import sandbox
+from examples.swe.local_arena.harnesses.llm import ToolCall, ToolDef, llm_client
+from examples.swe.local_arena.harnesses.session import clip
+from examples.swe.local_arena.types import HarnessOutput, HarnessRun, HarnessSpec
+
+__all__ = ["TOOLS", "ToolCallError", "run_answer", "run_tool_agent"]
+
+ANSWER_SYSTEM = "Answer the question. Reply with only the final answer, as briefly as possible."
+AGENT_SYSTEM = (
+    "Solve the task. You may call run_python (runs a Python program) and bash (runs a shell "
+    "command); both run in a scratch directory without network access. When you know the "
+    "answer, call submit with only the final answer."
+)
+TOOL_OUTPUT_BYTES = 4096  # what the model sees of a tool's output (head and tail halves)
+
+
+# --- answer ---
+
+
+async def run_answer(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
+    """One LLM call; the reply text is the answer."""
+    system = spec.options.get("system") or ANSWER_SYSTEM
+    async with llm_client(spec, run) as llm:
+        history = llm.wire.start(system, run.prompt)
+        reply = await llm.call(system, history, [])
+    transcript = [{"turn": 1, "role": "assistant", "text": clip(reply.text)}]
+    return HarnessOutput(reply.text, turns=1, transcript=transcript)
+
+
+# --- tool_agent ---
+
+TOOLS = [
+    ToolDef(
+        "run_python",
+        "Run a Python 3 program and return its stdout and stderr. Print what you need.",
+        {
+            "type": "object",
+            "properties": {"code": {"type": "string", "description": "the program"}},
+            "required": ["code"],
+        },
+    ),
+    ToolDef(
+        "bash",
+        "Run a bash command and return its stdout and stderr.",
+        {
+            "type": "object",
+            "properties": {"command": {"type": "string", "description": "the command"}},
+            "required": ["command"],
+        },
+    ),
+    ToolDef(
+        "submit",
+        "Submit the final answer; this ends the task.",
+        {
+            "type": "object",
+            "properties": {"answer": {"type": "string", "description": "the final answer"}},
+            "required": ["answer"],
+        },
+    ),
+]
+_TOOL_ARGUMENT = {"run_python": "code", "bash": "command", "submit": "answer"}
+
+
+async def run_tool_agent(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
+    """Up to ``max_turns`` LLM calls with tools; ``submit`` or a turn without tool calls
+    ends the episode, else the last non-empty assistant text stands as the answer."""
+    system = spec.options.get("system") or AGENT_SYSTEM
+    max_turns = int(spec.options.get("max_turns", 6))
+    tool_timeout = float(spec.options.get("tool_timeout", 10.0))
+    transcript: list[dict[str, Any]] = []
+    answer = ""
+    async with llm_client(spec, run) as llm:
+        history = llm.wire.start(system, run.prompt)
+        for turn in range(1, max_turns + 1):
+            reply = await llm.call(system, history, TOOLS)
+            history.extend(reply.history)
+            transcript.append(
+                {
+                    "turn": turn,
+                    "role": "assistant",
+                    "text": clip(reply.text),
+                    "tools": [c.name for c in reply.calls],
+                }
+            )
+            answer = reply.text or answer
+            if not reply.calls:
+                return HarnessOutput(reply.text, turns=turn, transcript=transcript)
+            results = []
+            for call in reply.calls:
+                try:
+                    argument = _tool_argument(call)
+                except ToolCallError as e:
+                    output = f"error: {e}"
+                else:
+                    if call.name == "submit":
+                        return HarnessOutput(argument, turns=turn, transcript=transcript)
+                    output = await _run_tool(call.name, argument, run.workdir, tool_timeout)
+                results.append((call, output))
+                transcript.append(
+                    {"turn": turn, "role": "tool", "name": call.name, "output": clip(output)}
+                )
+            history.extend(llm.wire.tool_results(results))
+    return HarnessOutput(answer, turns=max_turns, transcript=transcript)
+
+
+class ToolCallError(ValueError):
+    """A tool call the agent cannot run; the message goes back to the model."""
+
+
+def _tool_argument(call: ToolCall) -> str:
+    """The one string argument of ``call`` (every tool here takes exactly one)."""
+    if call.name not in _TOOL_ARGUMENT:
+        raise ToolCallError(
+            f"unknown tool {call.name!r}; the tools are run_python, bash and submit"
+        )
+    arguments = call.arguments
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments.strip() else {}
+        except json.JSONDecodeError as e:
+            raise ToolCallError(f"the arguments of {call.name} are not valid JSON ({e})") from None
+    key = _TOOL_ARGUMENT[call.name]
+    value = arguments.get(key) if isinstance(arguments, dict) else None
+    if call.name == "submit" and isinstance(value, int | float):
+        value = str(value)
+    if not isinstance(value, str):
+        raise ToolCallError(f"{call.name} needs a string argument {key!r}")
+    return value
+
+
+# The program comes as argv[1] so tracebacks keep its own line numbers.
+PYTHON_BOOTSTRAP = (
+    sandbox.SOCKET_GUARD
+    + """\
+import linecache, sys
+_code = sys.argv.pop(1)
+sys.argv[0] = "<run_python>"
+linecache.cache["<run_python>"] = (len(_code), None, _code.splitlines(True), "<run_python>")
+exec(compile(_code, "<run_python>", "exec"), {"__name__": "__main__"})
+"""
+)
+
+
+async def _run_tool(name: str, argument: str, workdir: Path, timeout: float) -> str:
+    if name == "run_python":
+        argv = [sys.executable, "-I", "-c", PYTHON_BOOTSTRAP, argument]
+    else:
+        argv = ["/bin/bash", "-c", argument]
+    # The first call probes unshare with a child process: keep it off the event loop.
+    prefix = await asyncio.to_thread(sandbox.unshare_prefix)
+    env = sandbox.minimal_env(workdir, str(Path(sys.executable).parent))
+    half = TOOL_OUTPUT_BYTES // 2
+    result = await sandbox.run_captured(
+        [*prefix, *argv], env, workdir, timeout, head=half, tail=half, merge=True
+    )
+    output = result.stdout
+    if result.timed_out:
+        output += f"\n[timed out after {timeout:g} s]"
+    elif result.returncode != 0:
+        output += f"\n[exit code {result.returncode}]"
+    return output.strip() or "(no output)"
