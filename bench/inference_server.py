@@ -29,25 +29,14 @@ sys.path.insert(0, str(ROOT))
 
 from areal.utils.network import find_free_port, wait_healthy  # noqa: E402
 from areal.utils.table import render_table  # noqa: E402
-from areal.utils.tiny_model import build_tiny_model  # noqa: E402
-
-QWEN2_05B = dict(
-    arch="qwen2",
-    hidden_size=896,
-    num_layers=24,
-    num_heads=14,
-    num_kv_heads=2,
-    intermediate_size=4864,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-)
+from areal.utils.tiny_model import QWEN2_05B_SHAPE, build_tiny_model  # noqa: E402
 
 
 def build_model(kind: str, directory: Path, dtype: str) -> Path:
     if kind == "tiny":
         return build_tiny_model(directory, dtype="float32")
     if kind == "qwen2-0.5b":
-        return build_tiny_model(directory, dtype=dtype, tie_word_embeddings=True, **QWEN2_05B)
+        return build_tiny_model(directory, dtype=dtype, **QWEN2_05B_SHAPE)
     return Path(kind)  # a model directory
 
 

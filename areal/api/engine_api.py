@@ -14,7 +14,7 @@ from areal.api.io_struct import (
     WeightUpdateMeta,
 )
 
-__all__ = ["InferenceEngine"]
+__all__ = ["InferenceEngine", "TrainEngine"]
 
 
 class InferenceEngine(abc.ABC):
@@ -123,3 +123,114 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def export_stats(self) -> dict[str, float]: ...
+
+
+class TrainEngine(abc.ABC):
+    """A model being trained: process groups, micro-batched steps, checkpoints, weight sync.
+
+    Batches are padded dicts (``input_ids [B, L]``, ``attention_mask [B, L]`` bool,
+    per-token and per-row keys); engines split them into token-balanced packed
+    micro-batches themselves. ``loss_fn(logprobs, entropy, mb)`` gets the per-token
+    log-probs of a packed micro-batch (position ``t`` scores token ``t + 1``) and returns
+    that micro-batch's mean loss; ``loss_weight_fn(mb)`` gives its weight (the actor
+    counts trainable tokens), and the step optimizes the weighted mean over all
+    micro-batches and data-parallel ranks.
+    """
+
+    @abc.abstractmethod
+    def create_process_group(self, parallel_strategy: Any = None) -> None:
+        """Initialize ``torch.distributed`` (if needed) and the engine's groups."""
+
+    @abc.abstractmethod
+    def initialize(self, addr: str | None = None, ft_spec: Any = None, **kwargs: Any) -> None:
+        """Load the model, wrap it for training and build the optimizer and LR schedule."""
+
+    @abc.abstractmethod
+    def destroy(self) -> None: ...
+
+    @property
+    @abc.abstractmethod
+    def data_parallel_group(self) -> Any: ...
+
+    @property
+    @abc.abstractmethod
+    def data_parallel_rank(self) -> int: ...
+
+    @property
+    @abc.abstractmethod
+    def data_parallel_world_size(self) -> int: ...
+
+    def current_data_parallel_head(self) -> int:
+        """The lowest global rank of this rank's model-parallel group."""
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_initialized() else 0
+
+    def is_data_parallel_head(self) -> bool:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        return self.current_data_parallel_head() == rank
+
+    @abc.abstractmethod
+    def train(self, mode: bool = True) -> TrainEngine: ...
+
+    def eval(self) -> TrainEngine:
+        return self.train(False)
+
+    @abc.abstractmethod
+    def connect_engine(self, rollout_engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        """Remember the rollout side (and set up the NCCL weight group for ``xccl``)."""
+
+    @abc.abstractmethod
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        """Push the current weights to the inference servers."""
+
+    @abc.abstractmethod
+    def set_version(self, version: int) -> None: ...
+
+    @abc.abstractmethod
+    def get_version(self) -> int: ...
+
+    @abc.abstractmethod
+    def save(self, meta: Any) -> None:
+        """``meta.weight_format``: ``hf`` (safetensors + tokenizer) or ``dcp``."""
+
+    @abc.abstractmethod
+    def load(self, meta: Any) -> None: ...
+
+    @abc.abstractmethod
+    def optimizer_zero_grad(self) -> None: ...
+
+    @abc.abstractmethod
+    def optimizer_step(self) -> dict[str, float]:
+        """Clip, then step unless the gradient norm is not finite:
+        ``{update_successful, grad_norm, lr}``."""
+
+    @abc.abstractmethod
+    def lr_scheduler_step(self) -> None: ...
+
+    @abc.abstractmethod
+    def train_batch(self, input_: dict[str, Any], loss_fn: Any, loss_weight_fn: Any) -> dict:
+        """One optimizer step over a batch (token-mean over the global batch)."""
+
+    @abc.abstractmethod
+    def eval_batch(self, input_: dict[str, Any], loss_fn: Any, loss_weight_fn: Any) -> Any:
+        """The same weighted loss without gradients."""
+
+    @abc.abstractmethod
+    def forward_batch(self, input_: dict[str, Any], **kwargs: Any) -> Any:
+        """Gradient-free per-token log-probs, ``[B, L]`` aligned with the input."""
+
+    def export_stats(self) -> dict[str, float]:
+        return {}
+
+    def offload(self) -> None:
+        """Release accelerator memory between uses (engines without support refuse)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot offload")
+
+    def onload(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} cannot offload")
+
+    def get_device_stats(self) -> dict[str, float]:
+        return {}

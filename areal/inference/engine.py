@@ -115,6 +115,7 @@ class GenerationEngine:
         self._wake = threading.Event()
         self._paused = False
         self._stopping = False
+        self._weight_groups: dict[str, Any] = {}  # NCCL groups for weight updates, by name
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self.stats = collections.Counter()
 
@@ -406,25 +407,74 @@ class GenerationEngine:
     def _cmd_update_weights(
         self, model_path: str, abort_all_requests: bool = True
     ) -> dict[str, Any]:
-        if abort_all_requests:
-            self._abort_all("Abort in-flight requests (weight update)", include_waiting=False)
         state = _read_state_dict(Path(model_path))
+        current = self.model.state_dict()
+        missing = sorted(k for k in set(current) - set(state) if not _is_tied(self.model, k))
+        if missing:
+            raise RequestError(f"checkpoint lacks tensors of the served model: {missing[:5]}")
+        self._load_tensors(state, abort_all_requests)
+        self.model_path = str(model_path)
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def _load_tensors(self, state: dict[str, torch.Tensor], abort_all_requests: bool) -> None:
+        """Copy ``state`` (all or part of the model's tensors) into the served model."""
         current = self.model.state_dict()
         unknown = sorted(set(state) - set(current))
         if unknown:
             raise RequestError(f"checkpoint has tensors the served model lacks: {unknown[:5]}")
-        missing = sorted(k for k in set(current) - set(state) if not _is_tied(self.model, k))
-        if missing:
-            raise RequestError(f"checkpoint lacks tensors of the served model: {missing[:5]}")
+        for name, tensor in state.items():
+            if current[name].shape != tensor.shape:
+                raise RequestError(f"shape mismatch for {name}: {tuple(tensor.shape)}")
+        if abort_all_requests:
+            self._abort_all("Abort in-flight requests (weight update)", include_waiting=False)
         with torch.no_grad():
             for name, tensor in state.items():
-                if current[name].shape != tensor.shape:
-                    raise RequestError(f"shape mismatch for {name}: {tuple(tensor.shape)}")
-            self.model.load_state_dict(state, strict=False)
+                current[name].copy_(tensor)
         if self._running:  # cached keys/values come from the old weights
             logger.info("weights updated with %d requests still running", len(self._running))
-        self.model_path = str(model_path)
-        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def _cmd_init_weights_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+    ) -> dict[str, Any]:
+        """Join the trainer's NCCL weight-update group (this server is one rank)."""
+        from areal.utils.nccl_group import create_group
+
+        if self.device.type != "cuda":
+            raise RequestError("NCCL weight updates need a CUDA server; use disk updates")
+        torch.cuda.set_device(self.device)
+        self._weight_groups[group_name] = create_group(
+            master_address, int(master_port), int(rank_offset), int(world_size), group_name
+        )
+        return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
+
+    def _cmd_update_weights_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        group_name: str,
+        abort_all_requests: bool = True,
+    ) -> dict[str, Any]:
+        """Receive one bucket of tensors broadcast from the trainer (rank 0) and load it."""
+        from areal.utils.nccl_group import broadcast
+
+        group = self._weight_groups.get(group_name)
+        if group is None:
+            raise RequestError(f"no weight-update group {group_name!r}; init it first")
+        if not len(names) == len(dtypes) == len(shapes):
+            raise RequestError("names, dtypes and shapes must have the same length", "names")
+        received = {}
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+            broadcast(group, tensor, src=0)
+            received[name] = tensor
+        self._load_tensors(received, abort_all_requests)
+        return {"success": True, "message": f"updated {len(received)} tensors"}
 
     def _cmd_release(self, tags: list[str] | None = None) -> dict[str, Any]:
         if self.device.type == "cuda":

@@ -77,6 +77,27 @@ class UpdateFromDiskBody(BaseModel):
     abort_all_requests: bool = True
 
 
+class InitWeightsGroupBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "update_weight_group"
+    backend: str = "nccl"
+
+
+class DistributedUpdateBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+    group_name: str = "update_weight_group"
+    abort_all_requests: bool = True
+
+
 class MemoryBody(BaseModel):
     tags: list[str] | None = None
 
@@ -225,12 +246,27 @@ def create_app(engine: GenerationEngine) -> FastAPI:
         return await run_command("resume", tags=(body or MemoryBody()).tags)
 
     @app.post("/init_weights_update_group")
+    async def init_weights_group(body: InitWeightsGroupBody) -> dict[str, Any]:
+        if body.backend != "nccl":
+            raise RequestError(f"backend must be nccl, got {body.backend!r}", "backend")
+        return await run_command(
+            "init_weights_group",
+            master_address=body.master_address,
+            master_port=int(body.master_port),
+            rank_offset=body.rank_offset,
+            world_size=body.world_size,
+            group_name=body.group_name,
+        )
+
     @app.post("/update_weights_from_distributed")
-    async def distributed_updates() -> JSONResponse:
-        return _error(
-            400,
-            "the embedded server loads new weights from disk only; set "
-            "actor.weight_update_mode: disk",
+    async def update_distributed(body: DistributedUpdateBody) -> dict[str, Any]:
+        return await run_command(
+            "update_weights_distributed",
+            names=body.names,
+            dtypes=body.dtypes,
+            shapes=body.shapes,
+            group_name=body.group_name,
+            abort_all_requests=body.abort_all_requests,
         )
 
     return app

@@ -14,7 +14,14 @@ import os
 import sysconfig
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "TAG_TOKENS", "build_tiny_model", "build_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "QWEN2_05B_SHAPE",
+    "SPECIAL_TOKENS",
+    "TAG_TOKENS",
+    "build_tiny_model",
+    "build_tokenizer",
+]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added as ordinary (non-special) tokens, as Qwen does, so decoding keeps them.
@@ -127,6 +134,20 @@ def build_tokenizer(vocab_size: int = 1024):
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
+
+
+# Qwen2-0.5B's shape (random weights, built offline): GPU tests and benchmarks.
+QWEN2_05B_SHAPE = dict(
+    arch="qwen2",
+    hidden_size=896,
+    num_layers=24,
+    num_heads=14,
+    num_kv_heads=2,
+    intermediate_size=4864,
+    vocab_size=151936,
+    max_position_embeddings=32768,
+    tie_word_embeddings=True,
+)
 
 
 def build_tiny_model(

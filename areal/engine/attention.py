@@ -1,0 +1,316 @@
+"""Causal attention over packed token streams, registered as a transformers attention backend.
+
+Training packs several sequences into one ``[1, T]`` stream whose boundaries are given by
+``cu_seqlens`` (int32, ``[n + 1]``); attention must never cross a boundary. Passing the
+kwargs from :func:`packed_forward_kwargs` to ``model(...)`` is enough: HF decoder models
+(Qwen2, Qwen3, Llama) forward unknown keyword arguments unchanged from the top-level
+``forward`` through every decoder layer to the attention function, under the names that
+transformers uses for flash-attention varlen calls (``cu_seq_lens_q``, ``cu_seq_lens_k``,
+``max_length_q``, ``max_length_k``).
+
+Two backends compute the same thing:
+
+* ``varlen``: ``torch.nn.attention.varlen.varlen_attn`` (a flash kernel, CUDA, bf16/fp16),
+  one launch for the whole stream;
+* ``sdpa``: an exact loop of ``scaled_dot_product_attention(is_causal=True)`` over the
+  segments, used on CPU, in fp32, or where the varlen kernel is missing.
+
+Neither builds a ``[T, T]`` mask: the mask function registered alongside returns at most the
+2-D padding mask, which only matters for unpacked (generation, eval) calls.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+__all__ = [
+    "VARLEN_ATTENTION",
+    "AttentionBackend",
+    "packed_causal_attention",
+    "packed_forward_kwargs",
+    "register_varlen_attention",
+    "varlen_attention_forward",
+    "varlen_kernel_available",
+]
+
+VARLEN_ATTENTION = "areal_varlen"
+
+AttentionBackend = Literal["auto", "varlen", "sdpa"]
+
+_VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _load_varlen_kernel() -> tuple[Callable[..., torch.Tensor] | None, frozenset[str]]:
+    """The varlen kernel and the names of its parameters (they changed across torch releases)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None, frozenset()
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+_VARLEN_ATTN, _VARLEN_PARAMS = _load_varlen_kernel()
+
+
+def varlen_kernel_available() -> bool:
+    """Whether this torch build ships ``varlen_attn`` and a CUDA device is present."""
+    return _VARLEN_ATTN is not None and torch.cuda.is_available()
+
+
+def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict[str, Any]:
+    """Keyword arguments for ``model(input_ids, position_ids=..., **kwargs)`` on a packed stream.
+
+    ``cu_seqlens``: ``[n + 1]`` cumulative segment lengths, ``cu_seqlens[-1] == T``; padding
+    at the end of the stream is a segment of its own. ``max_seqlen``: longest segment.
+    Includes ``use_cache=False``. Pass no ``attention_mask`` alongside.
+    """
+    cu = cu_seqlens.to(torch.int32)
+    max_len = int(max_seqlen)
+    return {
+        # A packed stream is never decoded from; a KV cache would only hold memory.
+        "use_cache": False,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
+        "max_length_q": max_len,
+        "max_length_k": max_len,
+    }
+
+
+# --- packed attention ([T, H, D] layout) ---
+
+
+def _segment_bounds(cu_seqlens: torch.Tensor, n_tokens: int) -> list[tuple[int, int]]:
+    bounds = cu_seqlens.tolist()
+    if bounds[0] != 0 or bounds[-1] != n_tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to {n_tokens}, got {bounds[0]}..{bounds[-1]}")
+    return [(s, e) for s, e in itertools.pairwise(bounds) if e > s]
+
+
+def _packed_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float | None,
+) -> torch.Tensor:
+    # [1, H, T, D] so each segment is a 4-D view, which SDPA's fused kernels require.
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+    gqa = q.shape[1] != k.shape[1]
+    outs = [
+        scaled_dot_product_attention(
+            q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        for s, e in _segment_bounds(cu_seqlens, query.shape[0])
+    ]
+    if not outs:
+        return torch.empty_like(query)
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)
+
+
+def _packed_varlen(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scale: float | None,
+) -> torch.Tensor:
+    assert _VARLEN_ATTN is not None
+    kwargs: dict[str, Any] = {}
+    if "is_causal" in _VARLEN_PARAMS:
+        kwargs["is_causal"] = True
+    else:
+        # Releases without ``is_causal`` test ``window_size == (-1, 0)``: it must be a tuple.
+        kwargs["window_size"] = (-1, 0)
+    if "scale" in _VARLEN_PARAMS:
+        kwargs["scale"] = scale
+    elif scale is not None and scale != query.shape[-1] ** -0.5:
+        query = query * (scale * query.shape[-1] ** 0.5)
+    n_rep = query.shape[1] // key.shape[1]
+    if n_rep > 1:
+        if "enable_gqa" in _VARLEN_PARAMS:
+            kwargs["enable_gqa"] = True
+        else:
+            key = key.repeat_interleave(n_rep, dim=1)
+            value = value.repeat_interleave(n_rep, dim=1)
+    cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+    return _VARLEN_ATTN(
+        query.contiguous(),
+        key.contiguous(),
+        value.contiguous(),
+        cu,
+        cu,
+        max_seqlen,
+        max_seqlen,
+        **kwargs,
+    )
+
+
+def packed_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    scale: float | None = None,
+    backend: AttentionBackend = "auto",
+) -> torch.Tensor:
+    """Causal attention within each segment of a packed stream.
+
+    ``query`` ``[T, Hq, D]``, ``key``/``value`` ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA:
+    query head ``h`` reads key/value head ``h // (Hq // Hkv)``); ``cu_seqlens`` ``[n + 1]``
+    from 0 to T (checked by the SDPA loop only: the kernel path avoids a host sync).
+    Returns ``[T, Hq, D]``. ``backend="auto"`` takes the varlen kernel for CUDA bf16/fp16
+    inputs when it exists and the exact SDPA loop otherwise.
+    """
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
+    if backend == "auto":
+        use_varlen = _VARLEN_ATTN is not None and query.is_cuda and query.dtype in _VARLEN_DTYPES
+        backend = "varlen" if use_varlen else "sdpa"
+    if backend == "varlen":
+        if _VARLEN_ATTN is None:
+            raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available")
+        return _packed_varlen(query, key, value, cu_seqlens, int(max_seqlen), scale)
+    return _packed_sdpa(query, key, value, cu_seqlens, scale)
+
+
+# --- unpacked attention ([B, H, S, D] layout, optional 2-D padding mask) ---
+
+
+def _batched_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    padding_mask: torch.Tensor | None,
+    scale: float | None,
+    dropout: float,
+) -> torch.Tensor:
+    q_len, kv_len = query.shape[2], key.shape[2]
+    gqa = query.shape[1] != key.shape[1]
+    if padding_mask is not None and padding_mask.dim() == 4:
+        # A caller-built 4-D mask (boolean or additive) already encodes everything.
+        return scaled_dot_product_attention(
+            query,
+            key,
+            value,
+            attn_mask=padding_mask,
+            dropout_p=dropout,
+            scale=scale,
+            enable_gqa=gqa,
+        )
+    if padding_mask is None and q_len == kv_len:
+        return scaled_dot_product_attention(
+            query, key, value, dropout_p=dropout, is_causal=True, scale=scale, enable_gqa=gqa
+        )
+    # With a cache the queries are the last q_len positions (bottom-right causal alignment),
+    # which SDPA's ``is_causal`` does not express, so the [B, 1, q, kv] mask is built here.
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
+    k_pos = torch.arange(kv_len, device=query.device)
+    allowed = (k_pos[None, :] <= q_pos[:, None])[None, None]
+    if padding_mask is not None:
+        keep = padding_mask[:, -kv_len:].to(device=query.device, dtype=torch.bool)
+        allowed = allowed & keep[:, None, None, :]
+        # A padding query would see no key at all and SDPA would return NaN; let it see itself.
+        allowed = allowed | (k_pos[None, :] == q_pos[:, None])[None, None]
+    return scaled_dot_product_attention(
+        query, key, value, attn_mask=allowed, dropout_p=dropout, scale=scale, enable_gqa=gqa
+    )
+
+
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """The function transformers calls per attention layer under ``VARLEN_ATTENTION``.
+
+    ``query`` ``[B, Hq, S, D]``, ``key``/``value`` ``[B, Hkv, S_kv, D]``; returns
+    ``([B, S, Hq, D], None)``. With packing kwargs (``B == 1``, no mask, no cache) attention
+    stays inside each segment; without them it is ordinary causal attention honouring the
+    2-D padding mask, so generation and evaluation work on the same model.
+    """
+    del module, kwargs
+    if sliding_window is not None:
+        raise NotImplementedError(f"{VARLEN_ATTENTION} does not support sliding-window layers")
+    if softcap is not None:
+        raise NotImplementedError(f"{VARLEN_ATTENTION} does not support logit soft-capping")
+    if cu_seq_lens_q is None:
+        out = _batched_causal_attention(query, key, value, attention_mask, scaling, dropout)
+        return out.transpose(1, 2).contiguous(), None
+
+    if query.shape[0] != 1:
+        raise ValueError(f"packed attention expects batch size 1, got {query.shape[0]}")
+    if attention_mask is not None:
+        raise ValueError("packed attention takes no attention_mask: padding is its own segment")
+    if query.shape[2] != key.shape[2]:
+        raise ValueError("packed attention does not run with a KV cache")
+    same_k = cu_seq_lens_k is None or cu_seq_lens_k is cu_seq_lens_q
+    if not same_k and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
+        raise ValueError("packed attention needs identical query and key segments")
+    if dropout:
+        raise NotImplementedError("packed attention does not implement attention dropout")
+    max_len = max_length_q if max_length_q is not None else max_length_k
+    if max_len is None:
+        max_len = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
+    out = packed_causal_attention(
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_seq_lens_q,
+        int(max_len),
+        scale=scaling,
+    )
+    return out.unsqueeze(0), None
+
+
+def _padding_mask_only(
+    *, kv_length: int, attention_mask: torch.Tensor | None = None, **kwargs: Any
+) -> torch.Tensor | None:
+    """Mask function for ``VARLEN_ATTENTION``: the 2-D padding mask, or None when nothing pads.
+
+    Causality and segment boundaries are the attention function's job, so no 4-D mask is made.
+    """
+    del kwargs
+    if attention_mask is None:
+        return None
+    attention_mask = attention_mask[:, -kv_length:]
+    if attention_mask.shape[-1] == kv_length and bool(attention_mask.all()):
+        return None
+    return attention_mask
+
+
+def register_varlen_attention() -> str:
+    """Register the attention and mask functions with transformers; returns ``VARLEN_ATTENTION``.
+
+    Safe to call repeatedly. Use the result as ``attn_implementation`` when loading a model.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN_ATTENTION, varlen_attention_forward)
+    try:
+        from transformers import AttentionMaskInterface
+    except ImportError:
+        # Without a mask registry, mask creation passes the 2-D mask through for unknown
+        # implementations, which is what the attention function expects anyway.
+        return VARLEN_ATTENTION
+    AttentionMaskInterface.register(VARLEN_ATTENTION, _padding_mask_only)
+    return VARLEN_ATTENTION

@@ -1,0 +1,646 @@
+"""``FSDPEngine``: a Hugging Face causal LM trained with torch FSDP2 on packed micro-batches.
+
+* Process groups: NCCL on GPU, gloo on CPU; world size 1..N, all data parallel (tensor,
+  context and pipeline parallelism belong to the Megatron engine).
+* Model: ``AutoModelForCausalLM`` from ``config.path``, master weights in fp32, each
+  decoder layer and the root sharded with ``fully_shard``; compute in ``config.dtype``,
+  gradient reduction in ``grad_reduce_dtype``; optional activation checkpointing.
+* Micro-batches: a padded batch is split by token budget (``mb_spec``) into packed
+  streams; attention runs per sequence (:mod:`areal.engine.attention`) and next-token
+  log-probs come from the final hidden states in chunks (:mod:`areal.engine.logprobs`),
+  so full-vocabulary logits never exist for a whole micro-batch.
+* ``train_batch``: the loss of each micro-batch is weighted by ``loss_weight_fn(mb) / W``
+  (``W`` summed over micro-batches and data-parallel ranks) and multiplied by the DP size
+  (FSDP averages gradients), so one step optimizes the token mean of the global batch;
+  the gradient norm is clipped and a non-finite norm skips the step.
+* Checkpoints: HF safetensors (gathered on rank 0, with the tokenizer) and torch DCP
+  (sharded model, optimizer, LR schedule and RNG state).
+* Weight sync to inference: over disk (every backend) or NCCL broadcast in buckets from
+  rank 0 (GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from areal.api.cli_args import TrainEngineConfig
+from areal.api.engine_api import InferenceEngine, TrainEngine
+from areal.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.engine.attention import packed_forward_kwargs, register_varlen_attention
+from areal.engine.logprobs import gather_logprobs, next_token_labels
+from areal.engine.optim import build_lr_scheduler, build_optimizer
+from areal.utils import logging, name_resolve, names
+from areal.utils.network import find_free_port, gethostip
+from areal.utils.packing import split_padded_tensor_dict_into_mb_list
+
+__all__ = ["FSDPEngine", "PolicyModule"]
+
+logger = logging.getLogger("engine.fsdp")
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=7200)
+EXTRA_STATE = "extra_state_rank{rank}.pt"
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
+WeightFn = Callable[[dict[str, Any]], float | torch.Tensor]
+
+
+def to_dtype(name: str) -> torch.dtype:
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
+
+
+class PolicyModule(nn.Module):
+    """The causal LM plus chunked next-token log-probs, as one FSDP root module.
+
+    Calling the LM head weight inside this module's forward means FSDP has it unsharded
+    there (tied embeddings included), and the chunked log-prob function recomputes
+    logits in backward instead of keeping ``[T, vocab]`` activations.
+    """
+
+    def __init__(self, model: nn.Module, logprobs_chunk_size: int):
+        super().__init__()
+        self.model = model
+        self.chunk_size = logprobs_chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        max_seqlen: int,
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        base = getattr(self.model, self.model.base_model_prefix)
+        out = base(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            **packed_forward_kwargs(cu_seqlens, max_seqlen),  # includes use_cache=False
+        )
+        hidden = out.last_hidden_state[0]
+        labels = next_token_labels(input_ids[0], cu_seqlens)
+        weight = self.model.get_output_embeddings().weight
+        logp, entropy = gather_logprobs(
+            hidden, weight, labels, temperature=temperature, chunk_size=self.chunk_size
+        )
+        return logp, entropy
+
+
+def _flat(mb: dict[str, Any]) -> dict[str, Any]:
+    """The micro-batch with per-token ``[1, T]`` tensors flattened to ``[T]``."""
+    return {
+        k: v[0] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == 1 else v
+        for k, v in mb.items()
+    }
+
+
+class FSDPEngine(TrainEngine):
+    def __init__(self, config: TrainEngineConfig):
+        self.config = config
+        self.module: PolicyModule | None = None
+        self.model: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.lr_scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.tokenizer: Any = None
+        self.device = torch.device("cpu")
+        self._mesh = None
+        self._dp_group: dist.ProcessGroup | None = None
+        self._cpu_group: dist.ProcessGroup | None = None
+        self._own_process_group = False
+        self._version = 0
+        self.rollout_engine: InferenceEngine | None = None
+        self._weight_group: dist.ProcessGroup | None = None
+        self._weight_meta: WeightUpdateMeta | None = None
+
+    # --- process groups ---
+
+    def create_process_group(self, parallel_strategy: Any = None) -> None:
+        if parallel_strategy is not None:
+            extra = {
+                k: getattr(parallel_strategy, k, 1)
+                for k in ("tensor_parallel_size", "context_parallel_size", "pipeline_parallel_size")
+            }
+            if any(v not in (None, 1) for v in extra.values()):
+                raise ValueError(
+                    f"the FSDP engine is data parallel only (got {extra}); use the Megatron "
+                    "backend for tensor, context or pipeline parallelism"
+                )
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            backend = "nccl" if use_cuda else "gloo"
+            if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+                dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
+            else:  # a single process: a private one-rank group
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://127.0.0.1:{find_free_port('127.0.0.1')}",
+                    rank=0,
+                    world_size=1,
+                    timeout=PROCESS_GROUP_TIMEOUT,
+                )
+            self._own_process_group = True
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size()
+        self._mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
+        self._dp_group = self._mesh.get_group("dp")
+        self._cpu_group = (
+            dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
+            if dist.get_backend() != "gloo"
+            else dist.group.WORLD
+        )
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        return self._dp_group
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp_group)
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp_group)
+
+    @property
+    def cpu_group(self) -> dist.ProcessGroup:
+        return self._cpu_group
+
+    # --- model ---
+
+    def initialize(
+        self, addr: str | None = None, ft_spec: FinetuneSpec | None = None, **kwargs: Any
+    ) -> None:
+        if addr is not None:
+            raise ValueError("FSDPEngine.initialize takes no address (addr must be None)")
+        if self._mesh is None:
+            self.create_process_group(kwargs.get("parallel_strategy"))
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        cfg = self.config
+        if not cfg.path:
+            raise ValueError("actor.path must name an HF model directory")
+        attn = register_varlen_attention()
+        hf_config = AutoConfig.from_pretrained(cfg.path)
+        if cfg.disable_dropout:
+            for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop"):
+                if hasattr(hf_config, key):
+                    setattr(hf_config, key, 0.0)
+        load = dict(dtype=torch.float32, attn_implementation=attn)
+        if cfg.init_from_scratch:
+            model = AutoModelForCausalLM.from_config(hf_config, **load)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(cfg.path, config=hf_config, **load)
+        if cfg.disable_dropout:
+            for module in model.modules():
+                if isinstance(module, nn.Dropout):
+                    module.p = 0.0
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        model.to(self.device)
+        self.model = model
+        self.module = PolicyModule(model, cfg.logprobs_chunk_size)
+        self._shard(self.module)
+        if cfg.optimizer is not None:
+            self.optimizer = build_optimizer(
+                self.module.parameters(), cfg.optimizer, self.device.type
+            )
+            total = ft_spec.total_train_steps if ft_spec is not None else 1
+            self.lr_scheduler = build_lr_scheduler(self.optimizer, cfg.optimizer, total)
+        self._load_tokenizer()
+        logger.info(
+            "FSDP engine ready: %s on %d %s rank(s), compute %s",
+            cfg.path,
+            dist.get_world_size(),
+            self.device.type,
+            cfg.dtype,
+        )
+
+    def _shard(self, module: PolicyModule) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        compute = to_dtype(self.config.dtype)
+        mp = MixedPrecisionPolicy(
+            param_dtype=None if compute == torch.float32 else compute,
+            reduce_dtype=to_dtype(self.config.grad_reduce_dtype),
+        )
+        layer_names = set(
+            (self.config.fsdp.wrap_policy.transformer_layer_cls_to_wrap or [])
+            if self.config.fsdp.wrap_policy is not None
+            else []
+        ) or set(getattr(module.model, "_no_split_modules", None) or [])
+        layers = [m for m in module.model.modules() if type(m).__name__ in layer_names]
+        if not layers:
+            raise ValueError(
+                f"no decoder layers found to shard (looked for {sorted(layer_names)}); set "
+                "actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap"
+            )
+        for layer in layers:
+            fully_shard(layer, mesh=self._mesh, mp_policy=mp)
+        fully_shard(module, mesh=self._mesh, mp_policy=mp, reshard_after_forward=False)
+
+    def _load_tokenizer(self) -> None:
+        from transformers import AutoTokenizer
+
+        with contextlib.suppress(Exception):  # a weights-only directory is fine for training
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.path)
+
+    def destroy(self) -> None:
+        self.module = self.model = self.optimizer = self.lr_scheduler = None
+        if self._own_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_process_group = False
+        self._mesh = None
+
+    def train(self, mode: bool = True) -> FSDPEngine:
+        assert self.module is not None, "initialize() the engine first"
+        self.module.train(mode)
+        return self
+
+    # --- forward ---
+
+    def _micro_batches(self, input_: dict[str, Any]):
+        batch = {
+            k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_.items()
+        }
+        return split_padded_tensor_dict_into_mb_list(
+            batch, self.config.mb_spec, group=self._cpu_group
+        )
+
+    def _forward(self, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.module is not None, "initialize() the engine first"
+        return self.module(
+            mb["input_ids"],
+            mb["position_ids"],
+            mb["cu_seqlens"],
+            int(mb["max_seqlen"]),
+            float(self.config.temperature),
+        )
+
+    @torch.no_grad()
+    def forward_batch(self, input_: dict[str, Any], **kwargs: Any) -> torch.Tensor:
+        """Per-token log-probs ``[B, L]``: position ``t`` scores token ``t + 1`` (0 at the
+        last real position and on padding)."""
+        was_training = self.module.training
+        self.train(False)
+        try:
+            mb_list = self._micro_batches(input_)
+            outputs = [self._forward(mb)[0] for mb in mb_list.mbs]
+            logp = mb_list.to_padded(outputs, pad_value=0.0).to(torch.float32)
+            has_next = torch.zeros_like(logp, dtype=torch.bool)
+            has_next[:, :-1] = input_["attention_mask"][:, 1:].to(logp.device)
+            return logp * has_next  # the last real token scores nothing
+        finally:
+            self.train(was_training)
+
+    # --- training ---
+
+    def _global_weight(self, weights: list[float]) -> float:
+        total = torch.tensor([sum(weights)], dtype=torch.float64)
+        dist.all_reduce(total, group=self._cpu_group)
+        return float(total.item())
+
+    def train_batch(
+        self, input_: dict[str, Any], loss_fn: LossFn, loss_weight_fn: WeightFn
+    ) -> dict[str, float]:
+        self.train(True)
+        mb_list = self._micro_batches(input_)
+        weights = [float(loss_weight_fn(_flat(mb))) for mb in mb_list.mbs]
+        total = self._global_weight(weights)
+        self.optimizer_zero_grad()
+        if total <= 0:
+            logger.warning("train_batch: no trainable tokens in the global batch; step skipped")
+            return {"update_successful": 0.0, "grad_norm": 0.0, "lr": self._lr(), "loss": 0.0}
+        dp = self.data_parallel_world_size
+        loss_sum = 0.0
+        for mb, weight in zip(mb_list.mbs, weights, strict=True):
+            logp, entropy = self._forward(mb)
+            loss = loss_fn(logp, entropy, _flat(mb))
+            (loss * (weight / total * dp)).backward()
+            loss_sum += float(loss.detach()) * weight / total
+        stats = self.optimizer_step()
+        loss_tensor = torch.tensor([loss_sum], dtype=torch.float64)
+        dist.all_reduce(loss_tensor, group=self._cpu_group)
+        return {**stats, "loss": float(loss_tensor.item()), "num_micro_batches": len(weights)}
+
+    @torch.no_grad()
+    def eval_batch(self, input_: dict[str, Any], loss_fn: LossFn, loss_weight_fn: WeightFn):
+        was_training = self.module.training
+        self.train(False)
+        try:
+            mb_list = self._micro_batches(input_)
+            weights = [float(loss_weight_fn(_flat(mb))) for mb in mb_list.mbs]
+            total = self._global_weight(weights)
+            value = torch.zeros(1, dtype=torch.float64)
+            for mb, weight in zip(mb_list.mbs, weights, strict=True):
+                logp, entropy = self._forward(mb)
+                value += float(loss_fn(logp, entropy, _flat(mb))) * weight / max(total, 1e-12)
+            dist.all_reduce(value, group=self._cpu_group)
+            return float(value.item())
+        finally:
+            self.train(was_training)
+
+    def optimizer_zero_grad(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    def optimizer_step(self) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("this engine has no optimizer (actor.optimizer is null)")
+        clip = self.config.optimizer.gradient_clipping
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        if not torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer_zero_grad()
+            logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
+            return {"update_successful": 0.0, "grad_norm": grad_norm, "lr": self._lr()}
+        self.optimizer.step()
+        self.optimizer_zero_grad()
+        return {"update_successful": 1.0, "grad_norm": grad_norm, "lr": self._lr()}
+
+    def lr_scheduler_step(self) -> None:
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    step_lr_scheduler = lr_scheduler_step
+
+    # --- versions ---
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def get_version(self) -> int:
+        return self._version
+
+    # --- checkpoints ---
+
+    def _full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The HF-named full state dict on rank 0 (empty elsewhere); collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(self.model, options=options)
+        if dtype is not None:
+            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        return state
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format == "hf":
+            self._save_hf(meta.path, meta.tokenizer)
+        elif meta.weight_format == "dcp":
+            self._save_dcp(meta.path, meta.with_optim)
+        else:
+            raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+
+    def _save_hf(self, path: str, tokenizer: Any = None) -> None:
+        state = self._full_state_dict(to_dtype(self.config.dtype))
+        if dist.get_rank() == 0:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path, state_dict=state)
+            tokenizer = tokenizer or self.tokenizer
+            if tokenizer is not None:
+                tokenizer.save_pretrained(path)
+        dist.barrier(group=self._cpu_group)
+
+    def _save_dcp(self, path: str, with_optim: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_state, optim_state = get_state_dict(
+            self.module, self.optimizer if with_optim and self.optimizer else []
+        )
+        state: dict[str, Any] = {"model": model_state}
+        if with_optim and self.optimizer is not None:
+            state["optim"] = optim_state
+        Path(path).mkdir(parents=True, exist_ok=True)
+        dcp.save(state, checkpoint_id=path)
+        extra = {
+            "version": self._version,
+            "rng": _rng_state(),
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+        }
+        torch.save(extra, Path(path) / EXTRA_STATE.format(rank=dist.get_rank()))
+        dist.barrier(group=self._cpu_group)
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format == "dcp":
+            self._load_dcp(meta.path, meta.with_optim)
+        elif meta.weight_format == "hf":
+            self._load_hf(meta.path)
+        else:
+            raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+
+    def _load_dcp(self, path: str, with_optim: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        optimizer = self.optimizer if with_optim and self.optimizer else []
+        model_state, optim_state = get_state_dict(self.module, optimizer)
+        state: dict[str, Any] = {"model": model_state}
+        if optimizer:
+            state["optim"] = optim_state
+        dcp.load(state, checkpoint_id=path)
+        set_state_dict(
+            self.module,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state.get("optim", {}),
+        )
+        extra_file = Path(path) / EXTRA_STATE.format(rank=dist.get_rank())
+        if extra_file.exists():
+            extra = torch.load(extra_file, weights_only=False)
+            self._version = extra.get("version", self._version)
+            _set_rng_state(extra["rng"])
+            if self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
+                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        dist.barrier(group=self._cpu_group)
+
+    def _load_hf(self, path: str) -> None:
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(path).glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        if not state:
+            raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        set_model_state_dict(
+            self.model, state, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+
+    # --- weight sync ---
+
+    def connect_engine(self, rollout_engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        self.rollout_engine = rollout_engine
+        self._weight_meta = meta
+        if meta.type == "xccl":
+            self._init_weight_group(meta)
+
+    def _init_weight_group(self, meta: WeightUpdateMeta) -> None:
+        from areal.utils.nccl_group import create_group
+
+        if dist.get_rank() == 0:
+            if not meta.nccl_master_address or meta.nccl_master_address == "127.0.0.1":
+                meta.nccl_master_address = gethostip()
+            meta.nccl_master_port = find_free_port()
+            joined = self.rollout_engine.init_weights_update_group(meta)
+            self._weight_group = create_group(
+                meta.nccl_master_address,
+                meta.nccl_master_port,
+                0,
+                meta.gen_world_size + 1,
+                meta.nccl_group_name,
+            )
+            joined.result()
+        dist.barrier(group=self._cpu_group)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        if self.rollout_engine is None:
+            raise RuntimeError("connect_engine() the rollout engine before update_weights()")
+        if meta.type == "disk":
+            self._update_weights_from_disk(meta)
+        elif meta.type == "xccl":
+            self._update_weights_from_distributed(meta)
+        else:
+            raise ValueError(f"weight update type {meta.type!r} is not supported; disk or xccl")
+
+    def _update_weights_from_disk(self, meta: WeightUpdateMeta) -> None:
+        version = self._version if meta.version is None else meta.version
+        meta = dataclasses.replace(meta, version=version)
+        if meta.path is None:
+            raise ValueError("a disk weight update needs WeightUpdateMeta.path")
+        rank0 = dist.get_rank() == 0
+        loaded = None
+        if rank0:
+            self.rollout_engine.pause_generation()
+            loaded = self.rollout_engine.update_weights_from_disk(meta)
+        self._save_hf(meta.path)
+        if rank0:
+            exp, trial = _experiment(self.rollout_engine)
+            if exp and trial:
+                name_resolve.add(
+                    names.update_weights_from_disk(exp, trial, version),
+                    str(time.time()),
+                    replace=True,
+                )
+            loaded.result()
+            self.rollout_engine.continue_generation()
+        dist.barrier(group=self._cpu_group)
+
+    def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named full parameters, one at a time (a collective on every rank)."""
+        for name, param in self.model.named_parameters():
+            tensor = param.data
+            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+            yield name, full
+
+    def _update_weights_from_distributed(self, meta: WeightUpdateMeta) -> None:
+        from areal.utils.nccl_group import broadcast
+
+        rank0 = dist.get_rank() == 0
+        dtype = to_dtype(self.config.dtype)
+        budget = meta.weight_chunked_mem_mb * 1024 * 1024
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        if rank0:
+            self.rollout_engine.pause_generation()
+
+        def flush() -> None:
+            nonlocal bucket, size
+            if rank0 and bucket:
+                specs = [
+                    ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                    for n, t in bucket
+                ]
+                received = self.rollout_engine.update_weights_from_distributed(meta, specs)
+                for _, tensor in bucket:
+                    broadcast(self._weight_group, tensor, src=0)
+                received.result()
+            bucket, size = [], 0
+
+        for name, full in self._full_parameters():
+            if not rank0:
+                continue
+            tensor = full.to(dtype).contiguous()
+            if size and size + tensor.numel() * tensor.element_size() > budget:
+                flush()
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+        flush()
+        if rank0:
+            self.rollout_engine.continue_generation()
+        dist.barrier(group=self._cpu_group)
+
+    # --- housekeeping ---
+
+    def get_device_stats(self) -> dict[str, float]:
+        if self.device.type != "cuda":
+            return {}
+        return {
+            "allocated_gb": torch.cuda.memory_allocated() / 2**30,
+            "max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        }
+
+
+def _experiment(engine: Any) -> tuple[str, str]:
+    config = getattr(engine, "config", None)
+    return getattr(config, "experiment_name", "") or "", getattr(config, "trial_name", "") or ""
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

@@ -1,0 +1,1 @@
+"""Training-side algorithms: the PPO/GRPO actor maths and, later, the trainer loop."""

@@ -1,0 +1,1 @@
+"""PPO/GRPO: reward shaping, advantages (GAE), normalization, the clipped loss, λ functions."""

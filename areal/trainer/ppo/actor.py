@@ -1,0 +1,152 @@
+"""``PPOActor``: GRPO/PPO on top of a :class:`TrainEngine`.
+
+* ``compute_logp(data)``: gradient-free log-probs of the current weights (``[B, L]``,
+  position ``t`` scoring token ``t + 1``), used as ``prox_logp`` by the decoupled loss.
+* ``compute_advantages(data, group_sizes)``: rewards to per-token advantages (§8.1).
+* ``ppo_update(data)``: ``ppo_n_minibatches`` optimizer steps, each a token mean of the
+  clipped (decoupled) surrogate over the global minibatch.
+
+``FSDPPPOActor`` is the FSDP engine with these three methods.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from areal.api.cli_args import PPOActorConfig
+from areal.api.engine_api import TrainEngine
+from areal.engine.fsdp_engine import FSDPEngine
+from areal.trainer.ppo.functions import compute_advantages, ppo_actor_loss, prox_logp_for_method
+from areal.utils import stats_tracker
+from areal.utils.packing import split_into_minibatches
+
+__all__ = ["FSDPPPOActor", "PPOActor"]
+
+DROPPED_BEFORE_UPDATE = ("rewards", "tot_rewards", "kl_rewards")
+UPDATE_SCOPE = "ppo_actor/update"
+
+
+def count_trainable(mb: dict[str, Any]) -> torch.Tensor:
+    return mb["loss_mask"].count_nonzero()
+
+
+class PPOActor:
+    def __init__(self, config: PPOActorConfig, engine: TrainEngine):
+        for flag in ("use_sapo_loss", "use_cispo_loss"):
+            if getattr(config, flag):
+                raise ValueError(
+                    f"actor.{flag} is not implemented in this port; use the (decoupled) PPO loss"
+                )
+        self.config = config
+        self.engine = engine
+
+    # --- before the update ---
+
+    @torch.no_grad()
+    def compute_logp(self, data: dict[str, Any]) -> torch.Tensor:
+        return self.engine.forward_batch(data)
+
+    def compute_advantages(
+        self, data: dict[str, Any], group_sizes: list[int] | None = None
+    ) -> dict[str, Any]:
+        group = getattr(self.engine, "data_parallel_group", None)
+        out = compute_advantages(data, self.config, group_sizes, dp_group=group)
+        self._log_batch(out, data)
+        return out
+
+    def _log_batch(self, out: dict[str, Any], data: dict[str, Any]) -> None:
+        tracker = stats_tracker.get()
+        with tracker.scope("ppo_actor"):
+            mask = out["loss_mask"].bool()
+            rows = torch.ones(mask.shape[0], dtype=torch.bool)
+            task_reward = data.get("original_rewards", data["rewards"]).float()
+            tracker.denominator(n_seqs=rows, n_valid_tokens=mask)
+            tracker.stat(denominator="n_valid_tokens", advantages=out["advantages"].float())
+            tracker.stat(
+                denominator="n_seqs",
+                task_reward=task_reward.cpu(),
+                seq_len=data["attention_mask"].sum(1).float().cpu(),
+            )
+
+    # --- the update ---
+
+    def ppo_update(self, data: dict[str, Any]) -> list[dict[str, float]]:
+        data = {k: v for k, v in data.items() if k not in DROPPED_BEFORE_UPDATE}
+        self.engine.train()
+        group = getattr(self.engine, "cpu_group", None)
+        parts = split_into_minibatches(data, self.config.ppo_n_minibatches, group=group)
+        return [self.engine.train_batch(part, self.loss, count_trainable) for part in parts]
+
+    def _prox_logp(self, logprobs: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
+        if not self.config.use_decoupled_loss:
+            return mb["logprobs"]
+        return prox_logp_for_method(
+            self.config.prox_logp_method,
+            logprobs=logprobs,
+            old_logp=mb["logprobs"],
+            prox_logp=mb.get("prox_logp"),
+            versions=mb.get("versions"),
+            current_version=self.engine.get_version(),
+        )
+
+    def loss(self, logprobs: torch.Tensor, entropy: torch.Tensor, mb: dict[str, Any]):
+        """The GRPO loss of one packed micro-batch (``TrainEngine`` loss_fn contract)."""
+        cfg = self.config
+        loss, stats = ppo_actor_loss(
+            logprobs,
+            mb["logprobs"],
+            self._prox_logp(logprobs, mb),
+            mb["advantages"],
+            mb["loss_mask"],
+            eps_clip=cfg.eps_clip,
+            eps_clip_higher=cfg.eps_clip_higher,
+            c_clip=cfg.c_clip,
+            rejection=cfg.rejection_sampling,
+            importance_sampling_level=cfg.importance_sampling_level,
+            cu_seqlens=mb.get("cu_seqlens"),
+        )
+        self._log_update(stats, logprobs, entropy, mb, loss)
+        return loss
+
+    def _log_update(self, stats, logprobs, entropy, mb, loss) -> None:
+        tracker = stats_tracker.get()
+        with tracker.scope(UPDATE_SCOPE):
+            kept = stats["kept_mask"].bool()
+            tracker.denominator(n_valid_tokens_in_loss=kept)
+            per_token = {
+                key: stats[key].detach().float()
+                for key in (
+                    "importance_weight",
+                    "approx_kl",
+                    "clip_ratio",
+                    "dual_clip_ratio",
+                    "behave_imp_weight",
+                    "behave_approx_kl",
+                )
+                if key in stats
+            }
+            per_token["new_logp"] = logprobs.detach().float()
+            per_token["entropy"] = entropy.detach().float()
+            tracker.stat(denominator="n_valid_tokens_in_loss", **per_token)
+            tracker.scalar(actor_loss=float(loss.detach()))
+
+
+class FSDPPPOActor(FSDPEngine):
+    """The FSDP engine with the PPO actor's methods."""
+
+    def __init__(self, config: PPOActorConfig):
+        super().__init__(config)
+        self.actor = PPOActor(config, self)
+
+    def compute_logp(self, data: dict[str, Any]) -> torch.Tensor:
+        return self.actor.compute_logp(data)
+
+    def compute_advantages(
+        self, data: dict[str, Any], group_sizes: list[int] | None = None
+    ) -> dict[str, Any]:
+        return self.actor.compute_advantages(data, group_sizes)
+
+    def ppo_update(self, data: dict[str, Any]) -> list[dict[str, float]]:
+        return self.actor.ppo_update(data)

@@ -1,0 +1,259 @@
+"""Training throughput: ``FSDPEngine.train_batch`` versus a plain HF + PyTorch loop.
+
+Both train the same random Qwen2-0.5B-shaped model (bf16 compute, fp32 master weights,
+AdamW) on the same sequences (lengths drawn uniformly from --min-len..--max-len, a
+next-token loss on every token) for --steps timed optimizer steps after a warm-up step:
+
+* engine: sequences packed into varlen micro-batches of at most --mb-tokens tokens,
+  per-sequence attention, chunked log-probs (no full-vocabulary logits), FSDP2.
+* plain loop: the same sequences in padded micro-batches of at most --mb-tokens real
+  tokens, HF forward with an attention mask (SDPA), full-vocabulary fp32 logits and
+  cross-entropy, bf16 autocast.
+
+MFU = achieved FLOP/s / peak, FLOPs per step = 6 x P x T + 6 x layers x hidden x
+sum(len^2), where P counts the matmul parameters (attention projections, MLP, and the
+LM head, whose matmul runs even with tied embeddings) and T the tokens; the second term is
+attention: QK^T and AV are 2 x len^2 x hidden FLOPs each, halved by the causal mask, and
+x3 for forward plus backward. Peak: --peak-tflops (989 for H100/H200 dense bf16).
+
+    python3 bench/train_engine.py                 # on a GPU machine
+    python3 bench/train_engine.py --only engine   # one side
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from areal.utils.table import render_table  # noqa: E402
+from areal.utils.tiny_model import QWEN2_05B_SHAPE, build_tiny_model  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results" / "train_engine.json"
+
+
+def make_batch(n: int, min_len: int, max_len: int, vocab: int, seed: int) -> list[torch.Tensor]:
+    rng = random.Random(seed)
+    lengths = [rng.randint(min_len, max_len) for _ in range(n)]
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g) for length in lengths]
+
+
+def padded(seqs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    mask = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = s
+        mask[i, : len(s)] = True
+    loss_mask = mask.clone()
+    loss_mask[torch.arange(len(seqs)), mask.sum(1) - 1] = False  # the last token predicts nothing
+    return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask.long()}
+
+
+def flops_per_step(cfg, seqs: list[torch.Tensor]) -> float:
+    """6 N T for the matmuls (LM head included) + causal attention scores and mixing."""
+    h, layers, vocab = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    per_layer = h * h + 2 * h * kv + h * h + 3 * h * cfg.intermediate_size  # q, k+v, o, mlp
+    dense = layers * per_layer + vocab * h  # the LM head matmul (tied or not)
+    tokens = sum(len(s) for s in seqs)
+    attention = sum(6 * layers * h * len(s) * len(s) for s in seqs)
+    return 6.0 * dense * tokens + attention
+
+
+def run_engine(model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float) -> dict:
+    from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
+    from areal.engine.fsdp_engine import FSDPEngine
+
+    config = TrainEngineConfig(
+        experiment_name="bench",
+        trial_name="train-engine",
+        path=str(model_dir),
+        dtype="bfloat16",
+        mb_spec=MicroBatchSpec(max_tokens_per_mb=mb_tokens),
+        optimizer=OptimizerConfig(lr=lr, warmup_steps_proportion=0.0),
+        logprobs_chunk_size=4096,
+    )
+    engine = FSDPEngine(config)
+    engine.create_process_group()
+    engine.initialize()
+    batch = padded(seqs)
+
+    def loss_fn(logp, entropy, mb):
+        mask = mb["loss_mask"].bool()
+        return -(logp * mask).sum() / mask.sum().clamp(min=1)
+
+    def weight_fn(mb):
+        return mb["loss_mask"].count_nonzero()
+
+    times, stats = [], {}
+    for step in range(steps + 1):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        stats = engine.train_batch(batch, loss_fn, weight_fn)
+        torch.cuda.synchronize()
+        if step:  # the first step warms kernels and allocators
+            times.append(time.perf_counter() - begin)
+    result = {
+        "step_s": sum(times) / len(times),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "micro_batches": stats.get("num_micro_batches"),
+        "last_loss": stats.get("loss"),
+    }
+    engine.destroy()
+    return result
+
+
+def run_plain(model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from areal.utils.packing import ffd_allocate
+
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+    ).cuda()
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)
+    groups = ffd_allocate([len(s) for s in seqs], mb_tokens, 1)
+    micro = [padded([seqs[i] for i in group]) for group in groups]
+    total = sum(int(mb["loss_mask"].sum()) for mb in micro)
+    times = []
+    loss_value = 0.0
+    for step in range(steps + 1):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = 0.0
+        for mb in micro:
+            ids, mask = mb["input_ids"].cuda(), mb["attention_mask"].cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(input_ids=ids, attention_mask=mask).logits
+            labels = ids[:, 1:].clone()
+            labels[~mb["loss_mask"][:, :-1].bool().cuda()] = -100
+            loss = torch.nn.functional.cross_entropy(
+                logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="sum"
+            )
+            (loss / total).backward()
+            loss_value += float(loss) / total
+            del logits, loss
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        torch.cuda.synchronize()
+        if step:
+            times.append(time.perf_counter() - begin)
+    result = {
+        "step_s": sum(times) / len(times),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "micro_batches": len(micro),
+        "last_loss": loss_value,
+    }
+    del model, optimizer
+    gc.collect()
+    torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--min-len", type=int, default=512)
+    parser.add_argument("--max-len", type=int, default=8192)
+    parser.add_argument("--mb-tokens", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--only", choices=["engine", "plain"], default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench/train_engine.py needs a CUDA GPU")
+
+    from transformers import AutoConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_tiny_model(
+            Path(tmp) / "model", dtype="float32", seed=args.seed, **QWEN2_05B_SHAPE
+        )
+        cfg = AutoConfig.from_pretrained(model_dir)
+        seqs = make_batch(args.sequences, args.min_len, args.max_len, cfg.vocab_size, args.seed)
+        tokens = sum(len(s) for s in seqs)
+        flops = flops_per_step(cfg, seqs)
+        results = {}
+        for name, run in (("engine", run_engine), ("plain", run_plain)):
+            if args.only and args.only != name:
+                continue
+            torch.cuda.reset_peak_memory_stats()
+            try:
+                results[name] = run(model_dir, seqs, args.mb_tokens, args.steps, args.lr)
+            except torch.OutOfMemoryError as e:
+                results[name] = {"error": f"out of memory: {str(e)[:200]}"}
+                torch.cuda.empty_cache()
+            r = results[name]
+            if "step_s" in r:
+                r["tokens_per_s"] = tokens / r["step_s"]
+                r["mfu"] = flops / r["step_s"] / (args.peak_tflops * 1e12)
+
+    rows = []
+    for name, r in results.items():
+        if "error" in r:
+            rows.append([name, "-", "-", "-", "-", r["error"][:60]])
+            continue
+        rows.append(
+            [
+                name,
+                r["step_s"],
+                r["tokens_per_s"],
+                f"{100 * r['mfu']:.1f}%",
+                r["peak_mem_gb"],
+                r["micro_batches"],
+            ]
+        )
+    device = torch.cuda.get_device_name()
+    print(
+        "\n"
+        + render_table(
+            f"Train step, Qwen2-0.5B-shaped, {args.sequences} seqs {args.min_len}-{args.max_len} "
+            f"({tokens} tokens), {device}",
+            ["loop", "step s", "tokens/s", "MFU", "peak GB", "micro-batches"],
+            rows,
+        )
+    )
+    if "engine" in results and "plain" in results and "tokens_per_s" in results["plain"]:
+        speedup = results["engine"].get("tokens_per_s", 0) / results["plain"]["tokens_per_s"]
+        print(f"engine / plain tokens/s: {speedup:.2f}x")
+        results["speedup"] = speedup
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(
+        json.dumps(
+            {
+                "args": {k: str(v) for k, v in vars(args).items()},
+                "device": device,
+                "tokens": tokens,
+                "flops_per_step": flops,
+                "results": results,
+                "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
