@@ -146,7 +146,7 @@ def run_plain(model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float) -> d
                 logits[:, :-1].float().flatten(0, 1), labels.flatten(), reduction="sum"
             )
             (loss / total).backward()
-            loss_value += float(loss) / total
+            loss_value += float(loss.detach()) / total
             del logits, loss
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
@@ -172,7 +172,15 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--min-len", type=int, default=512)
     parser.add_argument("--max-len", type=int, default=8192)
-    parser.add_argument("--mb-tokens", type=int, default=16384)
+    parser.add_argument(
+        "--mb-tokens", type=int, default=16384, help="plain loop: real tokens per mb"
+    )
+    parser.add_argument(
+        "--engine-mb-tokens",
+        type=int,
+        default=32768,
+        help="engine: packed tokens per micro-batch (no padding waste)",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
@@ -199,7 +207,8 @@ def main() -> None:
                 continue
             torch.cuda.reset_peak_memory_stats()
             try:
-                results[name] = run(model_dir, seqs, args.mb_tokens, args.steps, args.lr)
+                budget = args.engine_mb_tokens if name == "engine" else args.mb_tokens
+                results[name] = run(model_dir, seqs, budget, args.steps, args.lr)
             except torch.OutOfMemoryError as e:
                 results[name] = {"error": f"out of memory: {str(e)[:200]}"}
                 torch.cuda.empty_cache()

@@ -21,10 +21,12 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -261,8 +263,10 @@ class FSDPEngine(TrainEngine):
                 f"no decoder layers found to shard (looked for {sorted(layer_names)}); set "
                 "actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap"
             )
+        # with one rank there is nothing to re-gather in backward: keep layers unsharded
+        reshard = dist.get_world_size() > 1
         for layer in layers:
-            fully_shard(layer, mesh=self._mesh, mp_policy=mp)
+            fully_shard(layer, mesh=self._mesh, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(module, mesh=self._mesh, mp_policy=mp, reshard_after_forward=False)
 
     def _load_tokenizer(self) -> None:
@@ -509,21 +513,12 @@ class FSDPEngine(TrainEngine):
             self._init_weight_group(meta)
 
     def _init_weight_group(self, meta: WeightUpdateMeta) -> None:
-        from areal.utils.nccl_group import create_group
-
         if dist.get_rank() == 0:
             if not meta.nccl_master_address or meta.nccl_master_address == "127.0.0.1":
                 meta.nccl_master_address = gethostip()
             meta.nccl_master_port = find_free_port()
             joined = self.rollout_engine.init_weights_update_group(meta)
-            self._weight_group = create_group(
-                meta.nccl_master_address,
-                meta.nccl_master_port,
-                0,
-                meta.gen_world_size + 1,
-                meta.nccl_group_name,
-            )
-            joined.result()
+            self._weight_group = _join_weight_group(meta, joined)
         dist.barrier(group=self._cpu_group)
 
     def update_weights(self, meta: WeightUpdateMeta) -> None:
@@ -612,6 +607,42 @@ class FSDPEngine(TrainEngine):
             "allocated_gb": torch.cuda.memory_allocated() / 2**30,
             "max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
         }
+
+
+def _join_weight_group(meta: WeightUpdateMeta, joined: concurrent.futures.Future):
+    """Join the weight-update group as rank 0 while the servers join theirs.
+
+    Joining blocks until every server arrives, so it runs on a helper thread: a server
+    that fails to join (its HTTP call errors) fails this call at once instead of leaving
+    rank 0 waiting for the rendezvous timeout.
+    """
+    from areal.utils.nccl_group import create_group
+
+    created: concurrent.futures.Future = concurrent.futures.Future()
+
+    def join() -> None:
+        try:
+            created.set_result(
+                create_group(
+                    meta.nccl_master_address,
+                    meta.nccl_master_port,
+                    0,
+                    meta.gen_world_size + 1,
+                    meta.nccl_group_name,
+                )
+            )
+        except BaseException as e:  # reported through the future
+            created.set_exception(e)
+
+    threading.Thread(target=join, name="weight-group-join", daemon=True).start()
+    concurrent.futures.wait([joined, created], return_when=concurrent.futures.FIRST_EXCEPTION)
+    if joined.done() and joined.exception() is not None:
+        raise RuntimeError(
+            f"an inference server failed to join the weight-update group: {joined.exception()}"
+        )
+    group = created.result()
+    joined.result()
+    return group
 
 
 def _experiment(engine: Any) -> tuple[str, str]:

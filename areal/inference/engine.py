@@ -446,7 +446,7 @@ class GenerationEngine:
 
         if self.device.type != "cuda":
             raise RequestError("NCCL weight updates need a CUDA server; use disk updates")
-        torch.cuda.set_device(self.device)
+        torch.cuda.set_device(self.device.index or 0)
         self._weight_groups[group_name] = create_group(
             master_address, int(master_port), int(rank_offset), int(world_size), group_name
         )

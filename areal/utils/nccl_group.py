@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 __all__ = ["broadcast", "create_group"]
 
+_STORES: list[dist.TCPStore] = []
+
 
 def create_group(
     host: str,
@@ -38,7 +40,7 @@ def create_group(
     probe = torch.zeros(1, device=torch.cuda.current_device())
     broadcast(group, probe, src=0)
     torch.cuda.synchronize()
-    group._areal_store = store  # keep the store (and its server thread) alive with the group
+    _STORES.append(store)  # the store (and, on rank 0, its server) must outlive the group
     return group
 
 
