@@ -392,7 +392,20 @@ class FSDPEngine(TrainEngine):
             return {"update_successful": 0.0, "grad_norm": grad_norm, "lr": self._lr()}
         self.optimizer.step()
         self.optimizer_zero_grad()
-        return {"update_successful": 1.0, "grad_norm": grad_norm, "lr": self._lr()}
+        return {
+            "update_successful": 1.0,
+            "grad_norm": grad_norm,
+            "lr": self._lr(),
+            "optimizer_steps": self._optimizer_steps(),
+        }
+
+    def _optimizer_steps(self) -> float:
+        """Steps recorded in the optimizer state (restored with a checkpoint)."""
+        for state in self.optimizer.state.values():
+            step = state.get("step")
+            if step is not None:
+                return float(step.full_tensor() if hasattr(step, "full_tensor") else step)
+        return 0.0
 
     def lr_scheduler_step(self) -> None:
         if self.lr_scheduler is not None:
@@ -599,6 +612,12 @@ class FSDPEngine(TrainEngine):
         dist.barrier(group=self._cpu_group)
 
     # --- housekeeping ---
+
+    def export_stats(self) -> dict[str, float]:
+        """This process's recorded statistics, reduced over the ranks (a collective)."""
+        from areal.utils import stats_tracker
+
+        return stats_tracker.export_all(reduce_group=self._cpu_group)
 
     def get_device_stats(self) -> dict[str, float]:
         if self.device.type != "cuda":

@@ -37,6 +37,7 @@ from areal.engine.sglang_backend import HFBackend, SGLangBackend
 from areal.infra import workflow_context
 from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils import logging, name_resolve, names
+from areal.utils.lifeline import child_env
 from areal.utils.network import find_free_port, gethostip, wait_healthy
 
 __all__ = ["HFBackend", "RemoteInfEngine", "RemoteSGLangEngine", "SGLangBackend"]
@@ -55,6 +56,7 @@ class RemoteInfEngine(InferenceEngine):
         self.backend = backend
         self.addresses: list[str] = []
         self.local_servers: list[LocalInfServerInfo] = []
+        self.local_proxies: list[LocalInfServerInfo] = []
         self._version = 0
         self._server_index = 0
         self._sticky: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -136,7 +138,7 @@ class RemoteInfEngine(InferenceEngine):
             os.environ.get("AREAL_CACHE_DIR", f"/tmp/areal-{os.getuid()}"),
             f"triton-{uuid.uuid4().hex[:8]}",
         )
-        process = subprocess.Popen(self.backend.launch_command(args), env=env)
+        process = subprocess.Popen(self.backend.launch_command(args), env=child_env(env))
         info = LocalInfServerInfo(host=args["host"], port=int(args["port"]), process=process)
         try:
             self._wait_healthy(info.address, process)
@@ -147,15 +149,89 @@ class RemoteInfEngine(InferenceEngine):
         self.local_servers.append(info)
         return info
 
+    def launch_local_server(self, server_args: dict[str, Any]) -> str:
+        """:meth:`launch_server`, returning only the ``host:port`` (for remote callers)."""
+        return self.launch_server(server_args).address
+
+    def launch_proxy(self, tokenizer_path: str) -> str:
+        """Start a rollout proxy in front of this engine's first server (§5.1).
+
+        The proxy runs ``python -m areal.proxy.server`` as a child of this process, with
+        the admin key of ``config.agent`` in its environment (never on argv), and follows
+        this engine's pause, resume and version. Returns ``http://host:port``.
+        """
+        import sys
+
+        from areal.utils.secrets import reveal
+
+        agent = self.config.agent
+        admin = reveal(getattr(agent, "admin_api_key", "") or "")
+        if not admin.strip():
+            raise ValueError(
+                "rollout.agent.admin_api_key is empty; agent workflows run through the "
+                "rollout proxy, which needs an admin key (e.g. ${oc.env:SWE_RL_ADMIN_API_KEY})"
+            )
+        if not self.addresses:
+            raise RuntimeError("initialize() the inference engine before launch_proxy()")
+        host, port = gethostip(), find_free_port()
+        cmd = [
+            sys.executable,
+            "-m",
+            "areal.proxy.server",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--engine-addr",
+            self.addresses[0],
+            "--tokenizer-path",
+            tokenizer_path,
+            "--tool-call-parser",
+            agent.tool_call_parser,
+            "--reasoning-parser",
+            agent.reasoning_parser,
+            "--chat-template-type",
+            agent.chat_template_type,
+            "--request-timeout",
+            str(self.config.request_timeout),
+        ]
+        env = child_env({**os.environ, "SWE_RL_ADMIN_API_KEY": admin})
+        process = subprocess.Popen(cmd, env=env)
+        info = LocalInfServerInfo(host=host, port=port, process=process)
+        try:
+            self._wait_healthy(info.address, process)
+        except BaseException:
+            process.kill()
+            process.wait()
+            raise
+        self.local_proxies.append(info)
+        self._tell_proxies("/rl/set_version", {"version": self._version})
+        return f"http://{info.address}"
+
+    def _tell_proxies(self, path: str, body: dict[str, Any] | None = None) -> None:
+        """An admin call on every proxy this engine launched (pause, resume, version)."""
+        if not self.local_proxies:
+            return
+        from areal.utils.secrets import reveal
+
+        headers = {"Authorization": f"Bearer {reveal(self.config.agent.admin_api_key)}"}
+        for proxy in self.local_proxies:
+            response = httpx.post(
+                f"http://{proxy.address}{path}", json=body or {}, headers=headers, timeout=60
+            )
+            response.raise_for_status()
+
     def teardown_server(self) -> None:
-        for server in self.local_servers:
+        servers = [*self.local_proxies, *self.local_servers]
+        for server in servers:
             server.process.terminate()
-        for server in self.local_servers:
+        for server in servers:
             try:
                 server.process.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 server.process.kill()
         self.local_servers = []
+        self.local_proxies = []
 
     # --- versions and pausing ---
 
@@ -163,15 +239,18 @@ class RemoteInfEngine(InferenceEngine):
         self._version = version
         if self.workflow_executor is not None:
             self.workflow_executor.notify()
+        self._tell_proxies("/rl/set_version", {"version": version})
 
     def get_version(self) -> int:
         return self._version
 
     def pause(self) -> None:
         self._executor().pause()
+        self._tell_proxies("/rl/pause")
 
     def resume(self) -> None:
         self._executor().resume()
+        self._tell_proxies("/rl/resume")
 
     def _executor(self) -> WorkflowExecutor:
         if self.workflow_executor is None:

@@ -28,6 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 from areal.inference.engine import GenerationEngine, GenerationRequest, RequestError
 from areal.inference.sampling import SamplingParams
 from areal.utils import logging
+from areal.utils.lifeline import exit_with_parent
 
 __all__ = ["create_app", "main"]
 
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = _parser().parse_args(argv)
+    exit_with_parent()  # stop with the rollout worker that launched this server
     engine = GenerationEngine(
         args.model_path,
         device=args.device,

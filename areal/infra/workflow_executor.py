@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import os
 import random
 import threading
 import time
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal.api.cli_args import InferenceEngineConfig
+from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
 from areal.infra import workflow_context
 from areal.infra.grouped_workflow import resolve_workflow
 from areal.infra.staleness_manager import StalenessManager
@@ -200,9 +202,12 @@ class WorkflowExecutor:
 
             session = await workflow_context.get_aiohttp_session()
             url = addr if addr.startswith("http") else f"http://{addr}"
+            # the controller's callback server wants the experiment's RPC token
+            token = os.environ.get(RPC_TOKEN_ENV, "")
             async with session.post(
                 url,
                 json={"task_id": task_id},
+                headers={RPC_TOKEN_HEADER: token} if token else None,
                 timeout=aiohttp.ClientTimeout(total=CALLBACK_TIMEOUT),
             ) as response:
                 response.raise_for_status()

@@ -21,6 +21,7 @@ __all__ = [
     "register_secret",
     "register_secrets_from_env",
     "setup_file_logging",
+    "stop_file_logging",
 ]
 
 ROOT = "areal"
@@ -141,3 +142,13 @@ def setup_file_logging(log_dir: str | os.PathLike[str], filename: str = "main.lo
     handler.addFilter(SecretMaskingFilter())
     root.addHandler(handler)
     return target
+
+
+def stop_file_logging(path: str | os.PathLike[str]) -> None:
+    """Undo :func:`setup_file_logging` for ``path`` (closes the file)."""
+    root = _configure_root()
+    target = Path(path).absolute()
+    for handler in list(root.handlers):
+        if isinstance(handler, logging.FileHandler) and Path(handler.baseFilename) == target:
+            root.removeHandler(handler)
+            handler.close()

@@ -1,0 +1,106 @@
+"""Schedulers: how the controller gets worker processes and talks to their engines.
+
+A *worker* is a process running the RPC server (``python -m areal.infra.rpc.rpc_server``)
+that hosts engines (a train engine rank, a rollout engine). The controller creates
+workers per *role* (``actor``, ``rollout``, ``proxy``...), creates engines on them, and
+calls engine methods over HTTP.
+
+Every RPC request carries the experiment's secret token in the ``X-Areal-Token`` header;
+workers read the expected token from the ``AREAL_RPC_TOKEN`` environment variable (set
+by the scheduler, never on a command line) and refuse calls without it (401).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Any
+
+from areal.api.cli_args import SchedulingSpec, SchedulingStrategy
+
+__all__ = ["RPC_TOKEN_ENV", "RPC_TOKEN_HEADER", "Job", "Scheduler", "Worker"]
+
+RPC_TOKEN_ENV = "AREAL_RPC_TOKEN"
+RPC_TOKEN_HEADER = "X-Areal-Token"
+
+
+@dataclass
+class Worker:
+    """One worker process: ``id`` is ``<role>/<index>``; ``worker_ports[0]`` is its RPC port."""
+
+    id: str
+    ip: str
+    worker_ports: list[str] = field(default_factory=list)
+    engine_ports: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return f"{self.ip}:{self.worker_ports[0]}"
+
+
+@dataclass
+class Job:
+    role: str
+    replicas: int
+    tasks: list[SchedulingSpec] = field(default_factory=list)
+    scheduling_strategy: SchedulingStrategy | None = None
+
+
+class Scheduler(abc.ABC):
+    """Starts workers and forwards engine calls to them (§10.1)."""
+
+    @property
+    @abc.abstractmethod
+    def n_gpus_per_node(self) -> int: ...
+
+    @abc.abstractmethod
+    def create_workers(self, job: Job) -> list[str]:
+        """Start ``job.replicas`` workers for ``job.role``; returns their ids."""
+
+    @abc.abstractmethod
+    def get_workers(self, role: str, timeout: float | None = None) -> list[Worker]:
+        """Block until every worker of ``role`` is up, healthy and configured."""
+
+    @abc.abstractmethod
+    def delete_workers(self, role: str | None = None, reverse_order: bool = False) -> None:
+        """Destroy the engines, then stop the processes (``None``: every role)."""
+
+    @abc.abstractmethod
+    def fork_workers(self, role: str, target_role: str, command: str | None = None) -> list[str]:
+        """One new worker per worker of ``target_role``, on the same host."""
+
+    @abc.abstractmethod
+    async def create_engine(
+        self, worker_id: str, engine: str, engine_name: str | None = None, *args, **kwargs
+    ) -> Any: ...
+
+    @abc.abstractmethod
+    async def set_worker_env(self, worker_id: str, env: dict[str, str]) -> None: ...
+
+    @abc.abstractmethod
+    def call_engine(
+        self,
+        worker_id: str,
+        method: str,
+        *args: Any,
+        engine_name: str | None = None,
+        rpc_meta: dict[str, Any] | None = None,
+        http_timeout: float = 7200.0,
+        max_retries: int = 3,
+        retry_delay: float = 1.0,
+        **kwargs: Any,
+    ) -> Any: ...
+
+    @abc.abstractmethod
+    async def async_call_engine(
+        self,
+        worker_id: str,
+        method: str,
+        *args: Any,
+        engine_name: str | None = None,
+        rpc_meta: dict[str, Any] | None = None,
+        http_timeout: float = 7200.0,
+        max_retries: int = 3,
+        retry_delay: float = 1.0,
+        **kwargs: Any,
+    ) -> Any: ...

@@ -1,0 +1,441 @@
+"""``RolloutController``: rollout workers driven from the CPU controller (§9.3).
+
+Each rollout worker hosts a :class:`RemoteSGLangEngine` and (unless servers are given)
+its own inference server. The controller keeps the single :class:`StalenessManager` of
+the run: a dispatcher thread sends a task to a worker (round robin) only while the
+staleness bound and the concurrency limit leave room, and rows are drawn from the
+dataloader only when they can be dispatched, so in synchronous mode the dataloader
+position after step ``k`` is exactly ``(k + 1) x batch_size`` rows. Workers report a
+finished task to the callback server; a fetcher thread then collects its trajectory.
+
+The callback server also serves the train ranks' weight-update requests
+(:class:`RolloutCallback`), forwarding each to every rollout worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import os
+import queue
+import shutil
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from areal.api.cli_args import InferenceEngineConfig, SchedulingSpec, SchedulingStrategy
+from areal.api.io_struct import ParamSpec, WeightUpdateMeta
+from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Scheduler, Worker
+from areal.infra.controller.callback import CallbackServer, RolloutCallback
+from areal.infra.staleness_manager import StalenessManager
+from areal.utils import logging, stats_tracker
+from areal.utils.network import gethostip
+from areal.utils.serving import serve_in_thread
+
+__all__ = ["RolloutController", "merge_worker_stats"]
+
+logger = logging.getLogger("rollout.controller")
+
+ENGINE_CLASS = "areal.engine.sglang_remote.RemoteSGLangEngine"
+FETCH_TIMEOUT = 1.0
+RESCUE_AFTER = 30.0  # seconds without a completion report before the controller polls
+
+
+@dataclass
+class _Task:
+    task_id: int
+    data: Any
+    submit_kwargs: dict[str, Any]
+    worker: Worker | None = None
+    started: float = 0.0
+
+
+def merge_worker_stats(per_worker: list[dict[str, float]]) -> dict[str, float]:
+    """Average each scalar over workers, weighted by its ``<key>__count``."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, float] = collections.defaultdict(float)
+    for stats in per_worker:
+        for key, value in stats.items():
+            if key.endswith("__count"):
+                continue
+            count = stats.get(f"{key}__count")
+            if count is None:
+                continue  # only scalar records survive the merge
+            totals[key] += value * count
+            counts[key] += count
+    return {k: totals[k] / counts[k] for k in totals if counts[k] > 0}
+
+
+class RolloutController:
+    def __init__(self, config: InferenceEngineConfig, scheduler: Scheduler, role: str = "rollout"):
+        self.config = config
+        self.scheduler = scheduler
+        self.role = role
+        self.workers: list[Worker] = []
+        self.server_addrs: list[str] = []
+        self._version = 0
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._pending: collections.deque[_Task] = collections.deque()
+        self._inflight: dict[int, _Task] = {}
+        self._results: dict[int, Any] = {}
+        self._completed: queue.Queue[int] = queue.Queue()
+        self._paused = False
+        self._stopping = False
+        self._source: Iterator[tuple[Any, dict[str, Any]]] | None = None
+        self._threads: list[threading.Thread] = []
+        self._server_cm: contextlib.AbstractContextManager | None = None
+        self.callback_addr = ""
+        self.staleness: StalenessManager | None = None
+        self._rr = itertools.count()
+        self.proxy_addrs: list[str] = []
+        self.clear_checkpoint_after_load = True
+
+    # --- lifecycle ---
+
+    def initialize(
+        self,
+        n_workers: int,
+        spec: SchedulingSpec,
+        server_args: dict[str, Any] | None = None,
+        server_addrs: list[str] | None = None,
+        strategy: SchedulingStrategy | None = None,
+    ) -> None:
+        """Start ``n_workers`` workers, each with its own server (``server_args``) or
+        connected to ``server_addrs`` (one per worker, e.g. for an eval controller)."""
+        self.scheduler.create_workers(Job(self.role, n_workers, [spec] * n_workers, strategy))
+        self.workers = self.scheduler.get_workers(self.role)
+        # workers never gate on their own: the controller holds the staleness bound
+        worker_config = dataclasses.replace(
+            self.config,
+            max_head_offpolicyness=10**9,
+            max_concurrent_rollouts=10**6,
+            queue_size=10**6,
+        )
+        for i, worker in enumerate(self.workers):
+            _run(self.scheduler.create_engine(worker.id, ENGINE_CLASS, worker.id, worker_config))
+            if server_addrs:
+                addr = server_addrs[i % len(server_addrs)]
+            else:
+                addr = self._call(worker, "launch_local_server", server_args or {})
+            self._call(worker, "initialize", addr=addr)
+            self.server_addrs.append(addr)
+        consumer = self.config.consumer_batch_size
+        self.staleness = StalenessManager(
+            self.get_version,
+            self.config.max_concurrent_rollouts or consumer,
+            consumer,
+            self.config.max_head_offpolicyness,
+        )
+        self._start_callback_server()
+        for target, name in ((self._dispatch_loop, "dispatch"), (self._fetch_loop, "fetch")):
+            thread = threading.Thread(target=target, name=f"{self.role}-{name}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def _start_callback_server(self) -> None:
+        token = _scheduler_token(self.scheduler)
+        server = CallbackServer(
+            {
+                "rollout_complete": self._on_complete,
+                "pause_generation": self.pause_generation,
+                "continue_generation": self.continue_generation,
+                "update_weights_disk": self._update_weights_disk,
+                "init_weights_group": self._init_weights_group,
+                "update_weights_xccl": self._update_weights_xccl,
+            },
+            token,
+        )
+        self._server_cm = serve_in_thread(server.app, host="0.0.0.0")
+        url = self._server_cm.__enter__()
+        self.callback_addr = f"{gethostip()}:{url.rsplit(':', 1)[1]}"
+
+    def callback(self) -> RolloutCallback:
+        """The rollout engine handed to train ranks."""
+        return RolloutCallback(
+            self.callback_addr, self.config.experiment_name, self.config.trial_name
+        )
+
+    def destroy(self) -> None:
+        self._stopping = True
+        with self._lock:
+            self._lock.notify_all()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        if self._server_cm is not None:
+            self._server_cm.__exit__(None, None, None)
+            self._server_cm = None
+        with contextlib.suppress(Exception):
+            self.scheduler.delete_workers(self.role)
+
+    # --- helpers ---
+
+    def _call(self, worker: Worker, method: str, *args: Any, **kwargs: Any) -> Any:
+        return self.scheduler.call_engine(worker.id, method, *args, engine_name=worker.id, **kwargs)
+
+    def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        with _executor(len(self.workers)) as pool:
+            futures = [pool.submit(self._call, w, method, *args, **kwargs) for w in self.workers]
+            return [f.result() for f in futures]
+
+    # --- versions, pausing ---
+
+    def get_version(self) -> int:
+        return self._version
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+        self._call_all("set_version", version)
+        with self._lock:
+            self._lock.notify_all()
+
+    def pause(self) -> None:
+        """Dispatch nothing new; running rollouts wait at their next generation request."""
+        self._paused = True
+        self._call_all("pause")
+
+    def resume(self) -> None:
+        self._paused = False
+        self._call_all("resume")
+        with self._lock:
+            self._lock.notify_all()
+
+    def pause_generation(self) -> None:
+        self._call_all("pause_generation")
+
+    def continue_generation(self) -> None:
+        self._call_all("continue_generation")
+
+    # --- weight updates forwarded from train ranks ---
+
+    def _update_weights_disk(self, meta: WeightUpdateMeta) -> None:
+        futures = self._call_all("update_weights_from_disk", meta)
+        del futures
+        if self.clear_checkpoint_after_load and meta.path:
+            shutil.rmtree(meta.path, ignore_errors=True)
+
+    def _init_weights_group(self, meta: WeightUpdateMeta) -> None:
+        if len(self.workers) != 1:
+            raise NotImplementedError(
+                "NCCL weight updates through the controller support one rollout worker; "
+                "use actor.weight_update_mode: disk with several"
+            )
+        self._call_all("init_weights_update_group", meta)
+
+    def _update_weights_xccl(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> None:
+        self._call_all("update_weights_from_distributed", meta, param_specs)
+
+    # --- proxies for agent workflows ---
+
+    def start_proxies(self, tokenizer_path: str) -> list[str]:
+        """One rollout proxy per rollout worker, on its server (§5.1); their base URLs.
+
+        Proxy ``i`` runs next to rollout worker ``i`` and in front of its server; tasks sent
+        to worker ``i`` carry ``proxy_addrs[i]``. Idempotent.
+        """
+        if not self.proxy_addrs:
+            self.proxy_addrs = self._call_all("launch_proxy", tokenizer_path)
+            logger.info("rollout proxies: %s", self.proxy_addrs)
+        return list(self.proxy_addrs)
+
+    # --- tasks ---
+
+    def submit(self, data: Any, workflow: Any, workflow_kwargs=None, **kwargs: Any) -> int:
+        """Queue one rollout task (dispatched when the staleness bound allows)."""
+        task = _Task(
+            next(self._ids),
+            data,
+            dict(workflow=workflow, workflow_kwargs=workflow_kwargs, **kwargs),
+        )
+        self.staleness.on_enqueue()
+        with self._lock:
+            self._pending.append(task)
+            self._lock.notify_all()
+        return task.task_id
+
+    def _next_task(self) -> _Task | None:
+        if self._pending:
+            return self._pending.popleft()
+        if self._source is None:
+            return None
+        data, submit_kwargs = next(self._source)
+        self.staleness.on_enqueue()
+        return _Task(next(self._ids), data, submit_kwargs)
+
+    def _dispatch_loop(self) -> None:
+        while not self._stopping:
+            with self._lock:
+                task = None
+                if not self._paused and self.staleness.get_capacity() > 0:
+                    task = self._next_task()
+                if task is None:
+                    self._lock.wait(timeout=0.1)
+                    continue
+                self.staleness.on_submit()
+                task.worker = self.workers[next(self._rr) % len(self.workers)]
+                task.started = time.monotonic()
+                self._inflight[task.task_id] = task
+            kwargs = dict(task.submit_kwargs)
+            if self.proxy_addrs and kwargs.get("proxy_addr"):
+                # pairing: the proxy in front of this worker's server
+                kwargs["proxy_addr"] = self.proxy_addrs[self.workers.index(task.worker)]
+            try:
+                self._call(
+                    task.worker,
+                    "submit",
+                    task.data,
+                    task_id=task.task_id,
+                    callback_addr=f"http://{self.callback_addr}/callback/rollout_complete",
+                    **kwargs,
+                )
+            except Exception as e:
+                logger.error("submitting task %d to %s failed: %s", task.task_id, task.worker.id, e)
+                self._finish(task.task_id, None)
+
+    def _on_complete(self, task_id: int) -> None:
+        self._completed.put(int(task_id))
+
+    def _fetch_loop(self) -> None:
+        while not self._stopping:
+            try:
+                task_id = self._completed.get(timeout=1.0)
+            except queue.Empty:
+                self._rescue_stragglers()
+                continue
+            task = self._inflight.get(task_id)
+            if task is None:
+                continue
+            try:
+                result = self._call(
+                    task.worker,
+                    "wait_for_task",
+                    task_id,
+                    timeout=FETCH_TIMEOUT,
+                    raise_timeout=False,
+                )
+            except Exception as e:
+                logger.error("fetching task %d from %s failed: %s", task_id, task.worker.id, e)
+                result = None
+            self._finish(task_id, result)
+
+    def _rescue_stragglers(self) -> None:
+        """Poll tasks whose completion report may have been lost."""
+        now = time.monotonic()
+        for task in list(self._inflight.values()):
+            if now - task.started > RESCUE_AFTER:
+                task.started = now
+                self._completed.put(task.task_id)
+
+    def _finish(self, task_id: int, trajectory: Any) -> None:
+        with self._lock:
+            if self._inflight.pop(task_id, None) is None:
+                return
+            if trajectory is None:
+                self.staleness.on_reject()
+            else:
+                self.staleness.on_accept()
+            self._results[task_id] = trajectory
+            self._lock.notify_all()
+
+    def wait(self, count: int, timeout: float | None = None) -> list[Any]:
+        """``count`` accepted trajectories, in task order (rejected ones are skipped)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        accepted: list[tuple[int, Any]] = []
+        with self._lock:
+            while True:
+                for task_id in sorted(self._results):
+                    trajectory = self._results.pop(task_id)
+                    if trajectory is not None:
+                        accepted.append((task_id, trajectory))
+                if len(accepted) >= count:
+                    accepted.sort(key=lambda item: item[0])  # dataloader order, reproducible
+                    break
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"{len(accepted)} of {count} rollouts within {timeout}s")
+                self._lock.wait(timeout=0.2)
+            extra = accepted[count:]
+            for task_id, trajectory in extra:  # kept for the next call
+                self._results[task_id] = trajectory
+        return [trajectory for _, trajectory in accepted[:count]]
+
+    def prepare_batch(
+        self,
+        dataloader: Iterable[list[Any]],
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        should_accept_fn: str | None = None,
+        group_size: int = 1,
+        reward_normalization: bool = False,
+        drop_incomplete_group: bool = False,
+        proxy_addr: str | None = None,
+        batch_size: int | None = None,
+    ) -> list[Any]:
+        """Keep drawing rows while the bound allows; return one batch of accepted groups."""
+        if self._source is None:
+            kwargs = dict(
+                workflow=workflow,
+                workflow_kwargs=workflow_kwargs,
+                should_accept_fn=should_accept_fn,
+                group_size=group_size,
+                reward_normalization=reward_normalization,
+                drop_incomplete_group=drop_incomplete_group,
+                proxy_addr=proxy_addr,
+            )
+            self._source = ((row, kwargs) for batch in _cycle(dataloader) for row in batch)
+            with self._lock:
+                self._lock.notify_all()
+        return self.wait(batch_size or self.config.consumer_batch_size)
+
+    # --- stats ---
+
+    def export_stats(self) -> dict[str, float]:
+        merged = merge_worker_stats(self._call_all("export_stats"))
+        stat = self.staleness.get_stats() if self.staleness else None
+        if stat is not None:
+            stats_tracker.get("rollout").scalar(
+                **{"rollout/running": stat.running, "rollout/accepted_total": stat.accepted}
+            )
+        return merged
+
+
+def _scheduler_token(scheduler: Scheduler) -> str:
+    """The experiment token the workers hold (they present it on callbacks)."""
+    token = getattr(scheduler, "rpc_token", None)
+    if token is None:
+        token = os.environ.get(RPC_TOKEN_ENV, "")
+    token = token.reveal() if hasattr(token, "reveal") else str(token)
+    if not token:
+        raise RuntimeError(f"the scheduler has no RPC token and ${RPC_TOKEN_ENV} is empty")
+    return token
+
+
+def _cycle(dataloader: Iterable[list[Any]]) -> Iterator[list[Any]]:
+    """Epoch after epoch (``set_epoch`` is the dataloader's business)."""
+    while True:
+        empty = True
+        for batch in dataloader:
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError("the dataloader yields no batches")
+
+
+def _run(awaitable: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(awaitable) if asyncio.iscoroutine(awaitable) else awaitable
+
+
+@contextlib.contextmanager
+def _executor(n: int) -> Iterator[Any]:
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, n))
+    try:
+        yield pool
+    finally:
+        pool.shutdown(wait=True)

@@ -1,0 +1,1 @@
+"""Worker RPC: the HTTP server each worker runs, its client, and the wire encoding."""

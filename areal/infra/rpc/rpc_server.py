@@ -1,0 +1,596 @@
+"""Worker process: an HTTP RPC server that hosts engines (§10.2).
+
+Run as ``python -m areal.infra.rpc.rpc_server --role actor --worker-index 0 ...``. The
+server registers ``"<ip>:<port>"`` under :func:`areal.utils.names.worker` so the
+controller can find it, then serves:
+
+* ``GET /health`` (the only endpoint without a token),
+* ``POST /alloc_ports``, ``/fork``, ``/kill_forked_worker``, ``/set_env``, ``/configure``,
+* ``POST /create_engine`` and ``POST /call`` (engine construction and method calls).
+
+Every other request must carry the experiment's token in ``X-Areal-Token``; the
+expected value comes from ``AREAL_RPC_TOKEN`` in the environment (never from argv), and
+the server refuses to start without it. Bodies are JSON; arguments and results use the
+typed envelopes of :mod:`areal.infra.rpc.serialization`; errors are ``{"error": ...}``.
+
+Engine work never runs on the event loop: every construction and call goes through one
+dedicated engine thread, one at a time, which keeps collective operations (NCCL) in a
+fixed order while ``/health`` stays responsive during a long training step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import inspect
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from areal.api.engine_api import InferenceEngine, TrainEngine
+from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
+from areal.infra.rpc.processes import LoggedProcess
+from areal.infra.rpc.serialization import (
+    SerializationError,
+    deserialize_value,
+    json_dumps,
+    json_loads,
+    serialize_value,
+)
+from areal.proxy.keys import same_secret
+from areal.utils import logging, name_resolve, names
+from areal.utils.dynamic_import import import_from_string
+from areal.utils.lifeline import exit_with_parent
+from areal.utils.network import find_free_ports, gethostip
+from areal.utils.paths import get_log_path
+from areal.utils.seeding import set_random_seed
+
+__all__ = ["EngineThread", "TokenGuard", "WorkerServer", "main", "parse_args"]
+
+logger = logging.getLogger("rpc.server")
+
+DESTROY_TIMEOUT = 20.0  # seconds for all engines' destroy() at shutdown
+FORK_KILL_GRACE = 5.0
+
+
+class EngineThread:
+    """A daemon thread that runs submitted functions one at a time, in order.
+
+    It owns an event loop for engine methods that are coroutines (:meth:`run_coroutine`).
+    Daemon, so a stuck engine call cannot keep the process alive at exit.
+    """
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def submit(
+        self, fn: Callable[..., Any], *args: Any, **kwargs: Any
+    ) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((future, fn, args, kwargs))
+        return future
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def run_coroutine(self, coro: Any) -> Any:
+        """Run ``coro`` to completion; only from a function running on this thread."""
+        return self._loop.run_until_complete(coro)
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:  # delivered to the caller, whatever it is
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+        self._loop.close()
+
+
+class TokenGuard:
+    """ASGI wrapper: 401 for any request but ``/health`` without the right token."""
+
+    def __init__(self, app: Any, token: str):
+        self.app = app
+        self._token = token
+        self._header = RPC_TOKEN_HEADER.lower().encode("latin-1")
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            presented = b""
+            for name, value in scope["headers"]:
+                if name == self._header:
+                    presented = value
+            if not same_secret(presented.decode("latin-1"), self._token):
+                body = json_dumps({"error": f"missing or wrong {RPC_TOKEN_HEADER} header"})
+                await send(
+                    {
+                        "type": "http.response.start",
+                        "status": 401,
+                        "headers": [(b"content-type", b"application/json")],
+                    }
+                )
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+class _BadRequestError(Exception):
+    """Turned into a 400 response."""
+
+
+def _json(data: Any, status: int = 200) -> Response:
+    return Response(json_dumps(data), status_code=status, media_type="application/json")
+
+
+def _error(status: int, message: str) -> Response:
+    return _json({"error": message}, status)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    try:
+        data = json_loads(raw) if raw else {}
+    except ValueError as e:
+        raise _BadRequestError(f"body is not JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise _BadRequestError("body must be a JSON object")
+    return data
+
+
+def _is_initialized_train_engine(engine: Any) -> bool:
+    if not isinstance(engine, TrainEngine):
+        return False
+    initialized = getattr(engine, "initialized", None)
+    if initialized is not None:
+        return bool(initialized)
+    dist = sys.modules.get("torch.distributed")
+    return bool(dist is not None and dist.is_available() and dist.is_initialized())
+
+
+def _model_parallel_group(engine: Any) -> Any:
+    """The group a DP head shares its arguments with (None for data-parallel-only engines)."""
+    for attr in ("context_and_model_parallel_group", "model_parallel_group"):
+        group = getattr(engine, attr, None)
+        if group is not None:
+            return group
+    return None
+
+
+def broadcast_from_head(engine: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """The DP head's ``args``/``kwargs`` on every rank of its model-parallel group.
+
+    A no-op unless the engine exposes such a group with more than one rank. The
+    arguments travel as JSON bytes in a uint8 tensor (never pickled).
+    """
+    group = _model_parallel_group(engine)
+    if group is None:
+        return args, kwargs
+    import torch
+    import torch.distributed as dist
+
+    if dist.get_world_size(group) <= 1:
+        return args, kwargs
+    if dist.get_backend(group) == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    src = engine.current_data_parallel_head()
+    head = engine.is_data_parallel_head()
+    if head:
+        payload = json_dumps(serialize_value([list(args), kwargs]))
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if not head:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, src=src, group=group)
+    new_args, new_kwargs = deserialize_value(json_loads(data.cpu().numpy().tobytes()))
+    return tuple(new_args), new_kwargs
+
+
+class WorkerServer:
+    """The state of one worker (engines, forked children, ports) and its HTTP app."""
+
+    def __init__(
+        self,
+        experiment_name: str,
+        trial_name: str,
+        role: str,
+        worker_index: int,
+        token: str,
+        host_ip: str,
+        fileroot: str,
+    ):
+        self.experiment_name = experiment_name
+        self.trial_name = trial_name
+        self.role = role
+        self.worker_index = worker_index
+        self.host_ip = host_ip
+        self.fileroot = fileroot
+        self.engines: dict[str, Any] = {}
+        self.forked: dict[tuple[str, int], LoggedProcess] = {}
+        self.config: Any = None
+        self.engine_thread = EngineThread()
+        self._given_ports: set[int] = set()
+        self._lock = threading.Lock()
+        self._shut_down = False
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/alloc_ports", self.alloc_ports, methods=["POST"]),
+            Route("/fork", self.fork, methods=["POST"]),
+            Route("/kill_forked_worker", self.kill_forked_worker, methods=["POST"]),
+            Route("/set_env", self.set_env, methods=["POST"]),
+            Route("/configure", self.configure, methods=["POST"]),
+            Route("/create_engine", self.create_engine, methods=["POST"]),
+            Route("/call", self.call, methods=["POST"]),
+        ]
+        app = Starlette(routes=routes, lifespan=self._lifespan)
+        self.app = TokenGuard(app, token)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Any):
+        yield
+        await asyncio.to_thread(self.shutdown)
+
+    # --- endpoints ---
+
+    async def health(self, request: Request) -> Response:
+        alive = sum(1 for p in self.forked.values() if p.poll() is None)
+        engines = sorted(self.engines)
+        return _json(
+            {
+                "status": "healthy",
+                "forked_children": alive,
+                "engine_count": len(engines),
+                "engines": engines,
+            }
+        )
+
+    async def alloc_ports(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+        except _BadRequestError as e:
+            return _error(400, str(e))
+        count = body.get("count")
+        if not isinstance(count, int) or isinstance(count, bool) or count <= 0:
+            return _error(400, "'count' must be a positive integer")
+        ports = self._fresh_ports(count)
+        return _json({"status": "success", "ports": ports, "host": self.host_ip})
+
+    def _fresh_ports(self, count: int) -> list[int]:
+        """Free ports never handed out before by this worker."""
+        chosen: list[int] = []
+        with self._lock:
+            while len(chosen) < count:
+                for port in find_free_ports(count - len(chosen)):
+                    if port not in self._given_ports:
+                        self._given_ports.add(port)
+                        chosen.append(port)
+        return chosen
+
+    async def fork(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            role, index = _role_and_index(body)
+            raw_cmd = body.get("raw_cmd")
+            if not (
+                isinstance(raw_cmd, list) and raw_cmd and all(isinstance(a, str) for a in raw_cmd)
+            ):
+                raise _BadRequestError("'raw_cmd' must be a non-empty list of strings")
+            env_overrides = _str_dict(body.get("env") or {}, "env")
+        except _BadRequestError as e:
+            return _error(400, str(e))
+        with self._lock:
+            existing = self.forked.get((role, index))
+            if existing is not None and existing.poll() is None:
+                return _error(400, f"forked worker {role}/{index} is already running")
+            env = {**os.environ, **env_overrides}
+            log_dir = get_log_path(self.fileroot, self.experiment_name, self.trial_name)
+            try:
+                child = LoggedProcess(raw_cmd, env, log_dir, role, label=f"{role}/{index}")
+            except OSError as e:
+                return _error(500, f"cannot start {raw_cmd[0]!r}: {e}")
+            self.forked[(role, index)] = child
+        logger.info("Forked %s/%d as pid %d", role, index, child.pid)
+        return _json({"status": "success", "host": self.host_ip, "pid": child.pid})
+
+    async def kill_forked_worker(self, request: Request) -> Response:
+        try:
+            role, index = _role_and_index(await _body(request))
+        except _BadRequestError as e:
+            return _error(400, str(e))
+        with self._lock:
+            child = self.forked.pop((role, index), None)
+        if child is None:
+            return _error(404, f"no forked worker {role}/{index}")
+        await asyncio.to_thread(child.kill_tree, FORK_KILL_GRACE)
+        return _json({"status": "success", "exit_code": child.poll()})
+
+    async def set_env(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            if "env" not in body:
+                raise _BadRequestError("missing 'env'")
+            env = _str_dict(body["env"], "env")
+        except _BadRequestError as e:
+            return _error(400, str(e))
+        os.environ.update(env)
+        return _json({"status": "success"})
+
+    async def configure(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            if body.get("config") is None:
+                raise _BadRequestError("missing 'config'")
+            rank = body.get("rank")
+            if not isinstance(rank, int) or isinstance(rank, bool):
+                raise _BadRequestError("'rank' must be an integer")
+            config = deserialize_value(body["config"])
+        except (_BadRequestError, SerializationError) as e:
+            return _error(400, str(e))
+        seed_base = config.get("seed") if isinstance(config, dict) else getattr(config, "seed", 1)
+        seed = set_random_seed(int(seed_base if seed_base is not None else 1), f"{self.role}{rank}")
+        self.config = config
+        return _json({"status": "success", "seed": seed})
+
+    async def create_engine(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            path = body.get("engine")
+            name = body.get("engine_name")
+            if not isinstance(path, str) or not path:
+                raise _BadRequestError("'engine' must be a '<module>.<Class>' string")
+            if not isinstance(name, str) or not name:
+                raise _BadRequestError("'engine_name' must be a non-empty string")
+            args = deserialize_value(body.get("init_args") or [])
+            kwargs = deserialize_value(body.get("init_kwargs") or {})
+            if not isinstance(args, list) or not isinstance(kwargs, dict):
+                raise _BadRequestError("'init_args' must be a list and 'init_kwargs' an object")
+        except (_BadRequestError, SerializationError) as e:
+            return _error(400, str(e))
+        with self._lock:
+            if name in self.engines:
+                return _error(400, f"engine {name!r} already exists on this worker")
+            self.engines[name] = None  # reserved while it is being built
+        try:
+            try:
+                cls = await asyncio.wrap_future(self.engine_thread.submit(import_from_string, path))
+            except Exception as e:
+                return _error(400, f"cannot import engine {path!r}: {type(e).__name__}: {e}")
+            if not (isinstance(cls, type) and issubclass(cls, (TrainEngine, InferenceEngine))):
+                return _error(400, f"{path!r} is not a TrainEngine or InferenceEngine subclass")
+            try:
+                engine = await asyncio.wrap_future(self.engine_thread.submit(cls, *args, **kwargs))
+            except Exception as e:
+                logger.exception("Constructing engine %s (%s) failed", name, path)
+                return _error(500, f"engine {path!r} constructor failed: {type(e).__name__}: {e}")
+            with self._lock:
+                self.engines[name] = engine
+            logger.info("Created engine %s (%s)", name, path)
+            return _json({"status": "success", "engine_name": name})
+        finally:
+            with self._lock:
+                if self.engines.get(name) is None:
+                    self.engines.pop(name, None)
+
+    async def call(self, request: Request) -> Response:
+        try:
+            body = await _body(request)
+            method = body.get("method")
+            if not isinstance(method, str) or not method:
+                raise _BadRequestError("'method' must be a non-empty string")
+            name = body.get("engine_name")
+            engine = self.engines.get(name) if isinstance(name, str) else None
+            if engine is None:
+                return _error(404, f"no engine named {name!r} on this worker")
+            fn = None if method.startswith("_") else getattr(engine, method, None)
+            if not callable(fn):
+                raise _BadRequestError(f"engine {name!r} has no method {method!r}")
+            args = deserialize_value(body.get("args") or [])
+            kwargs = deserialize_value(body.get("kwargs") or {})
+            if not isinstance(args, list) or not isinstance(kwargs, dict):
+                raise _BadRequestError("'args' must be a list and 'kwargs' an object")
+            rpc_meta = body.get("rpc_meta") or {}
+            if not isinstance(rpc_meta, dict):
+                raise _BadRequestError("'rpc_meta' must be an object")
+        except (_BadRequestError, SerializationError) as e:
+            return _error(400, str(e))
+        try:
+            result, is_head = await asyncio.wrap_future(
+                self.engine_thread.submit(self._invoke, engine, fn, args, kwargs, rpc_meta)
+            )
+            # waited here, not on the engine thread, so work the future depends on can run
+            if isinstance(result, concurrent.futures.Future):
+                result = await asyncio.wrap_future(result)
+            payload = serialize_value(result) if is_head else None
+        except Exception as e:
+            logger.exception("Engine method %s on %s failed", method, name)
+            return _error(500, f"Engine method '{method}' failed: {type(e).__name__}: {e}")
+        if method == "destroy":
+            with self._lock:
+                self.engines.pop(name, None)  # destroyed once; shutdown must not repeat it
+        return _json({"status": "success", "result": payload})
+
+    def _invoke(
+        self, engine: Any, fn: Callable[..., Any], args: list, kwargs: dict, rpc_meta: dict
+    ) -> tuple[Any, bool]:
+        """Runs on the engine thread: the optional DP-head broadcast, then the call."""
+        train = _is_initialized_train_engine(engine)
+        if train and rpc_meta.get("broadcast", True) is not False:
+            args, kwargs = broadcast_from_head(engine, tuple(args), kwargs)
+        result = fn(*args, **kwargs)
+        if inspect.iscoroutine(result):
+            result = self.engine_thread.run_coroutine(result)
+        return result, (not train or engine.is_data_parallel_head())
+
+    # --- shutdown ---
+
+    def shutdown(self) -> None:
+        """Destroy engines (bounded wait), stop the engine thread, kill forked children."""
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+            engines = [(n, e) for n, e in self.engines.items() if e is not None]
+            self.engines.clear()
+            forked = list(self.forked.items())
+            self.forked.clear()
+        if engines:
+            done = self.engine_thread.submit(_destroy_all, engines)
+            try:
+                done.result(timeout=DESTROY_TIMEOUT)
+            except concurrent.futures.TimeoutError:
+                logger.warning("Engines did not finish destroy() in %.0fs", DESTROY_TIMEOUT)
+        self.engine_thread.stop()
+        for (role, index), child in forked:
+            logger.info("Stopping forked worker %s/%d (pid %d)", role, index, child.pid)
+            child.kill_tree(FORK_KILL_GRACE)
+
+
+def _destroy_all(engines: list[tuple[str, Any]]) -> None:
+    for name, engine in engines:
+        try:
+            engine.destroy()
+        except Exception:
+            logger.exception("destroy() of engine %s failed", name)
+
+
+def _role_and_index(body: dict[str, Any]) -> tuple[str, int]:
+    role, index = body.get("role"), body.get("worker_index")
+    if not isinstance(role, str) or not role:
+        raise _BadRequestError("'role' must be a non-empty string")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise _BadRequestError("'worker_index' must be a non-negative integer")
+    return role, index
+
+
+def _str_dict(value: Any, what: str) -> dict[str, str]:
+    if not isinstance(value, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in value.items()
+    ):
+        raise _BadRequestError(f"'{what}' must map strings to strings")
+    return value
+
+
+# --- command line ---
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m areal.infra.rpc.rpc_server",
+        description="Worker RPC server; reads its token from $" + RPC_TOKEN_ENV,
+    )
+    parser.add_argument("--host", default="0.0.0.0", help="Bind address (0.0.0.0: all).")
+    parser.add_argument("--port", type=int, default=0, help="Port (0: any free port).")
+    parser.add_argument("--experiment-name", required=True)
+    parser.add_argument("--trial-name", required=True)
+    parser.add_argument("--role", required=True)
+    parser.add_argument(
+        "--worker-index", type=int, default=-1, help="Index in the role ($SLURM_PROCID wins)."
+    )
+    parser.add_argument("--name-resolve-type", default="nfs")
+    parser.add_argument("--nfs-record-root", default="/tmp/areal/name_resolve")
+    parser.add_argument("--etcd3-addr", default="localhost:2379", help="Unused (nfs only).")
+    parser.add_argument("--fileroot", default="/tmp/areal", help="Logs of forked workers.")
+    parser.add_argument("--log-level", "--werkzeug-log-level", dest="log_level", default="WARNING")
+    args = parser.parse_args(argv)
+    if os.environ.get("SLURM_PROCID"):
+        args.worker_index = int(os.environ["SLURM_PROCID"])
+    if args.worker_index < 0:
+        parser.error("--worker-index is required (or $SLURM_PROCID)")
+    return args
+
+
+def _bind(host: str, port: int) -> tuple[socket.socket, str]:
+    """A bound socket and the address other hosts should use to reach it."""
+    wildcard = host in ("", "0.0.0.0", "::")
+    advertised = gethostip() if wildcard else host
+    bind_host = ("::" if ":" in advertised else "0.0.0.0") if wildcard else host
+    family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((bind_host, port))
+    return sock, advertised
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    args = parse_args(argv)
+    token = os.environ.get(RPC_TOKEN_ENV, "")
+    if not token:
+        sys.exit(f"rpc_server: ${RPC_TOKEN_ENV} is empty; the scheduler must set the token")
+    logging.register_secret(token)
+    name_resolve.reconfigure(
+        SimpleNamespace(type=args.name_resolve_type, nfs_record_root=args.nfs_record_root)
+    )
+    sock, ip = _bind(args.host, args.port)
+    port = sock.getsockname()[1]
+    server_state = WorkerServer(
+        args.experiment_name,
+        args.trial_name,
+        args.role,
+        args.worker_index,
+        token,
+        ip,
+        args.fileroot,
+    )
+    config = uvicorn.Config(
+        server_state.app,
+        log_level=args.log_level.lower(),
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=5,
+    )
+    server = uvicorn.Server(config)
+    # uvicorn re-raises SIGTERM/SIGINT to the previous handlers after shutting down; a
+    # no-op handler lets this function finish (name-resolve cleanup, atexit hooks).
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    signal.signal(signal.SIGINT, lambda *_: None)
+    exit_with_parent()  # SIGTERM to self when the controller (or forking worker) is gone
+    key = names.worker(args.experiment_name, args.trial_name, args.role, args.worker_index)
+    address = f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+    async def serve() -> None:
+        task = asyncio.create_task(server.serve(sockets=[sock]))
+        while not server.started:
+            if task.done():
+                break
+            await asyncio.sleep(0.02)
+        else:
+            name_resolve.add(key, address, replace=True)
+            logger.info("Worker %s/%d serving on %s", args.role, args.worker_index, address)
+        await task
+
+    try:
+        asyncio.run(serve())
+    finally:
+        server_state.shutdown()  # no-op when the lifespan already ran it
+        name_resolve.reset()
+
+
+if __name__ == "__main__":
+    main()

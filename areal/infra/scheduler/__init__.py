@@ -1,0 +1,1 @@
+"""Schedulers that start worker processes: local subprocesses and Slurm jobs."""

@@ -1,0 +1,364 @@
+"""``PPOTrainer``: the single-controller GRPO loop (§9.1-9.2).
+
+    with PPOTrainer(config, train_dataset) as trainer:
+        trainer.train(workflow="examples.toy.token_reward.TokenRewardWorkflow",
+                      workflow_kwargs={...})
+
+The trainer runs in a CPU controller process. It starts actor ranks and rollout workers
+through the scheduler (``local``: subprocesses on this machine), then per step:
+rollout (bounded by ``rollout.max_head_offpolicyness``) -> proximal log-probs ->
+advantages -> PPO update -> weight sync to inference -> HF save / recover checkpoint ->
+stats. A run killed at any point resumes from its last recover checkpoint when started
+again with the same experiment and trial names (``recover.mode`` on or auto).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from areal.api.cli_args import PPOConfig
+from areal.api.config.train import parse_backend
+from areal.api.io_struct import FinetuneSpec, WeightUpdateMeta
+from areal.api.workflow_api import RolloutWorkflow
+from areal.infra.controller.rollout_controller import RolloutController
+from areal.infra.controller.train_controller import TrainController
+from areal.trainer.dataloader import StatefulDataLoader
+from areal.utils import logging, seeding, stats_tracker
+from areal.utils.dynamic_import import import_from_string
+
+__all__ = ["PPOTrainer"]
+
+logger = logging.getLogger("trainer")
+
+ACTOR_ENGINES = {"fsdp": "areal.trainer.ppo.actor.FSDPPPOActor"}
+
+
+def _is_workflow(workflow: Any) -> bool:
+    if isinstance(workflow, RolloutWorkflow):
+        return True
+    if isinstance(workflow, type):
+        return issubclass(workflow, RolloutWorkflow)
+    if isinstance(workflow, str):
+        try:
+            return _is_workflow(import_from_string(workflow))
+        except (ImportError, AttributeError, ValueError):
+            return False  # an agent path that does not import here counts as an agent
+    return False
+
+
+class PPOTrainer:
+    def __init__(
+        self,
+        config: PPOConfig,
+        train_dataset: Sequence[Any],
+        valid_dataset: Sequence[Any] | None = None,
+    ):
+        self.config = config
+        self.actor: TrainController | None = None
+        self.rollout: RolloutController | None = None
+        self.scheduler = None
+        self.stats_logger = None
+        self._log_files: list[Path] = []
+        try:
+            self._build(train_dataset, valid_dataset)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- construction ---
+
+    def _build(self, train_dataset, valid_dataset) -> None:
+        cfg = self.config
+        self.log_dir = (
+            Path(cfg.cluster.fileroot)
+            / "logs"
+            / getpass.getuser()
+            / (f"{cfg.experiment_name}/{cfg.trial_name}")
+        )
+        self._log_files = [
+            logging.setup_file_logging(self.log_dir, name) for name in ("main.log", "merged.log")
+        ]
+        seeding.set_random_seed(cfg.seed, f"trainer{os.environ.get('RANK', '0')}")
+        self.tokenizer = _load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
+        self.scheduler = _build_scheduler(cfg)
+
+        self.dataloader = StatefulDataLoader(
+            train_dataset,
+            batch_size=cfg.train_dataset.batch_size,
+            shuffle=cfg.train_dataset.shuffle,
+            drop_last=cfg.train_dataset.drop_last,
+        )
+        self.ft_spec = FinetuneSpec(
+            total_train_epochs=cfg.total_train_epochs,
+            dataset_size=len(self.dataloader) * cfg.train_dataset.batch_size,
+            train_batch_size=cfg.train_dataset.batch_size,
+        )
+
+        actor_alloc = parse_backend(cfg.actor.backend)
+        engine = ACTOR_ENGINES.get(actor_alloc.backend)
+        if engine is None:
+            raise ValueError(
+                f"actor.backend {cfg.actor.backend!r}: the trainer runs fsdp engines here; "
+                "megatron is not available in this build"
+            )
+        self.actor = TrainController(engine, cfg.actor, self.scheduler, role="actor")
+        self.actor.initialize(
+            actor_alloc.parallel.world_size,
+            cfg.actor.scheduling_spec[0],
+            self.ft_spec,
+            cfg.actor.scheduling_strategy,
+        )
+
+        rollout_alloc = parse_backend(cfg.rollout.backend)
+        rollout_cfg = dataclasses.replace(
+            cfg.rollout,
+            experiment_name=cfg.rollout.experiment_name or cfg.experiment_name,
+            trial_name=cfg.rollout.trial_name or cfg.trial_name,
+        )
+        self.rollout = RolloutController(rollout_cfg, self.scheduler, role="rollout")
+        self.rollout.initialize(
+            rollout_alloc.parallel.dp_size,
+            cfg.rollout.scheduling_spec[0],
+            server_args=_server_args(cfg),
+        )
+
+        self.weight_update_meta = self._weight_update_meta()
+        self.actor.connect_engine(self.rollout, self.weight_update_meta)
+
+        from areal.utils.saving import Evaluator, RecoverHandler, Saver
+        from areal.utils.stats_logger import StatsLogger
+
+        self.saver = Saver(cfg.saver, self.ft_spec)
+        self.evaluator = Evaluator(cfg.evaluator, self.ft_spec)
+        self.recover_handler = RecoverHandler(cfg.recover, self.ft_spec)
+        self.stats_logger = StatsLogger(cfg, self.ft_spec)
+        self.recover_info = self.recover_handler.load(
+            self.actor,
+            self.saver,
+            self.evaluator,
+            self.stats_logger,
+            self.dataloader,
+        )
+        if self.recover_info is not None:
+            version = self.recover_info.last_step_info.global_step + 1
+            self.rollout.staleness.on_version_recovered(version)
+            self._push_weights(version)
+            logger.info("recovered: resuming at global step %d", version)
+
+    def _weight_update_meta(self) -> WeightUpdateMeta:
+        cfg = self.config
+        mode = cfg.actor.weight_update_mode
+        if mode == "disk":
+            root = (
+                Path(cfg.cluster.fileroot)
+                / "checkpoints"
+                / getpass.getuser()
+                / cfg.experiment_name
+                / cfg.trial_name
+                / "default"
+                / "weight_update"
+            )
+            return WeightUpdateMeta(type="disk", path=str(root))
+        if mode == "xccl":
+            return WeightUpdateMeta(type="xccl", weight_chunked_mem_mb=1024)
+        raise ValueError(f"actor.weight_update_mode {mode!r} is not supported here; disk or xccl")
+
+    def _meta_for(self, version: int) -> WeightUpdateMeta:
+        meta = dataclasses.replace(self.weight_update_meta, version=version)
+        if meta.type == "disk":
+            meta.path = f"{self.weight_update_meta.path}_v{version}"
+        return meta
+
+    def _push_weights(self, version: int) -> None:
+        self.rollout.pause()
+        self.actor.update_weights(self._meta_for(version))
+        self.actor.set_version(version)
+        self.rollout.set_version(version)
+        self.rollout.resume()
+
+    # --- the loop ---
+
+    def train(
+        self,
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        eval_workflow: Any = None,
+        eval_workflow_kwargs: dict[str, Any] | None = None,
+        dynamic_filter_fn: str | None = None,
+        total_epochs: int | None = None,
+    ) -> None:
+        cfg = self.config
+        epochs = total_epochs or cfg.total_train_epochs
+        if epochs <= 0:
+            raise ValueError("total_train_epochs must be > 0")
+        steps_per_epoch = len(self.dataloader)
+        max_steps = epochs * steps_per_epoch
+        if cfg.total_train_steps is not None:
+            max_steps = min(max_steps, cfg.total_train_steps)
+        start = 0
+        if self.recover_info is not None:
+            start = self.recover_info.last_step_info.next().global_step
+        proxy_addr = None
+        if not _is_workflow(workflow):
+            tokenizer_path = cfg.tokenizer_path or cfg.actor.path
+            proxy_addr = self.rollout.start_proxies(tokenizer_path)[0]
+        from areal.utils.saving import StepInfo
+        from areal.utils.stats_logger import ProgressDisplay
+
+        progress = ProgressDisplay(total_steps=max_steps, start_step=start)
+        for global_step in range(start, max_steps):
+            epoch, epoch_step = divmod(global_step, steps_per_epoch)
+            step_info = StepInfo(epoch, epoch_step, global_step, steps_per_epoch)
+            began = time.monotonic()
+            tracker = stats_tracker.get()
+            with tracker.record_timing("rollout"):
+                batch = self.rollout.prepare_batch(
+                    self.dataloader,
+                    workflow,
+                    workflow_kwargs,
+                    should_accept_fn=dynamic_filter_fn,
+                    group_size=cfg.gconfig.n_samples,
+                    reward_normalization=cfg.gconfig.reward_normalization,
+                    drop_incomplete_group=cfg.gconfig.drop_incomplete_group,
+                    proxy_addr=proxy_addr,
+                    batch_size=cfg.train_dataset.batch_size,
+                )
+            self._dump(batch, global_step)
+            if self.actor.should_compute_prox_logp():
+                with tracker.record_timing("recompute_logp"):
+                    for trajectory, logp in zip(batch, self.actor.compute_logp(batch), strict=True):
+                        trajectory["prox_logp"] = logp
+            with tracker.record_timing("compute_advantage"):
+                advantaged = self.actor.compute_advantages(batch)
+            with tracker.record_timing("train_step"):
+                update_stats = self.actor.ppo_update(advantaged)
+                self.actor.step_lr_scheduler()
+            self.rollout.pause()
+            with tracker.record_timing("update_weights"):
+                version = global_step + 1
+                self.actor.update_weights(self._meta_for(version))
+                self.actor.set_version(version)
+                self.rollout.set_version(version)
+            with tracker.record_timing("save"):
+                self.saver.save(
+                    self.actor, epoch, epoch_step, global_step, tokenizer=self.tokenizer
+                )
+            with tracker.record_timing("checkpoint_for_recover"):
+                self.recover_handler.dump(
+                    self.actor,
+                    step_info,
+                    self.saver,
+                    self.evaluator,
+                    self.stats_logger,
+                    self.dataloader,
+                    tokenizer=self.tokenizer,
+                )
+            stats = {**self.actor.export_stats(), **self.rollout.export_stats()}
+            stats.update(stats_tracker.export_all())
+            stats.update(_batch_stats(batch, update_stats, time.monotonic() - began))
+            stats["train/weight_version"] = float(version)
+            self.stats_logger.commit(epoch, epoch_step, global_step, stats)
+            progress.update(global_step + 1, stats)
+            self.after_step(step_info, stats)
+            self.rollout.resume()
+        progress.close()
+
+    def after_step(self, step_info: Any, stats: dict[str, float]) -> None:
+        """Called after each step (weights synced, rollout still paused); override to probe."""
+
+    def _dump(self, batch: list[dict], global_step: int) -> None:
+        """One JSONL per group; the name says which step trained it (``step{k}-task{i}``)."""
+        if not self.config.rollout.dump_to_file:
+            return
+        from areal.utils.trajectory_dump import dump_trajectories
+
+        for i, group in enumerate(batch):
+            task_id = f"step{global_step}-task{i}"
+            dump_trajectories(group, self.tokenizer, self.log_dir, "rollout", task_id)
+
+    # --- teardown ---
+
+    def close(self) -> None:
+        for part in ("rollout", "actor"):
+            component = getattr(self, part, None)
+            if component is not None:
+                try:
+                    component.destroy()
+                except Exception as e:
+                    logger.warning("closing %s failed: %s", part, e)
+                setattr(self, part, None)
+        if self.stats_logger is not None:
+            self.stats_logger.close()
+            self.stats_logger = None
+        if self.scheduler is not None:
+            self.scheduler.delete_workers()
+            self.scheduler = None
+        for path in self._log_files:
+            logging.stop_file_logging(path)
+        self._log_files = []
+
+    def __enter__(self) -> PPOTrainer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def _batch_stats(batch: list[dict], update_stats: list[dict], seconds: float) -> dict[str, float]:
+    rewards = [float(r) for group in batch for r in group["rewards"].reshape(-1)]
+    samples = len(rewards)
+    out = {
+        "rollout/reward_mean": sum(rewards) / max(1, samples),
+        "perf/samples_per_minute": 60.0 * samples / max(seconds, 1e-9),
+        "perf/step_seconds": seconds,
+    }
+    losses = [s["loss"] for s in update_stats if "loss" in s]
+    if losses:
+        out["ppo_actor/loss"] = sum(losses) / len(losses)
+    steps = [s["optimizer_steps"] for s in update_stats if "optimizer_steps" in s]
+    if steps:
+        out["ppo_actor/optimizer_steps"] = max(steps)
+    norms = [s["grad_norm"] for s in update_stats if "grad_norm" in s]
+    if norms:
+        out["ppo_actor/grad_norm"] = sum(norms) / len(norms)
+    return out
+
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _build_scheduler(cfg: PPOConfig):
+    kind = cfg.scheduler.type or "local"
+    if kind == "local":
+        from areal.infra.scheduler.local import LocalScheduler
+
+        return LocalScheduler(cfg)
+    if kind == "slurm":
+        from areal.infra.scheduler.slurm import SlurmScheduler
+
+        return SlurmScheduler(cfg)
+    raise NotImplementedError(f"scheduler.type {kind!r}: this port has local and slurm")
+
+
+def _server_args(cfg: PPOConfig) -> dict[str, Any]:
+    """Arguments of each rollout worker's own server (host and port chosen there)."""
+    from areal.engine.sglang_backend import HFBackend, SGLangBackend
+
+    allocation = parse_backend(cfg.rollout.backend)
+    impl = HFBackend() if allocation.backend == "hf" else SGLangBackend()
+    sglang = cfg.sglang
+    if not sglang.model_path:
+        sglang = dataclasses.replace(sglang, model_path=cfg.actor.path)
+    args = impl.server_args(sglang, host="", port=0, tp_size=allocation.parallel.tp_size)
+    args.pop("host", None)
+    args.pop("port", None)
+    return args

@@ -1,0 +1,440 @@
+"""The worker RPC server as a real subprocess, and the client's retry rules."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
+from areal.infra.rpc.client import RPCClient
+from areal.infra.rpc.processes import process_alive
+from areal.infra.rpc.serialization import json_dumps
+from areal.infra.scheduler.exceptions import (
+    EngineCallError,
+    EngineCreationError,
+    EngineImportError,
+    PortAllocationError,
+    RPCConnectionError,
+    WorkerConfigurationError,
+)
+from areal.utils import names
+from areal.utils.paths import get_log_path
+from areal.utils.seeding import derive_seed
+from areal.utils.serving import serve_in_thread
+from tests.unit.infra.fake_engines import Point
+
+REPO_ROOT = Path(__file__).resolve().parents[3]
+TOKEN = "rpc-test-token-5d1e9a"
+FAKES = "tests.unit.infra.fake_engines"
+
+
+@dataclass
+class RunningWorker:
+    process: subprocess.Popen
+    address: str
+    root: Path
+    output: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def client(self, token: str = TOKEN) -> RPCClient:
+        return RPCClient(self.address, token=token, worker_id="actor/0")
+
+    def post(self, path: str, body: dict, token: str | None = TOKEN) -> httpx.Response:
+        headers = {RPC_TOKEN_HEADER: token} if token is not None else {}
+        return httpx.post(f"{self.url}{path}", content=json_dumps(body), headers=headers)
+
+
+def worker_cmd(root: Path, role: str = "actor", index: int = 0) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "areal.infra.rpc.rpc_server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--experiment-name",
+        "exp",
+        "--trial-name",
+        "trial",
+        "--role",
+        role,
+        "--worker-index",
+        str(index),
+        "--nfs-record-root",
+        str(root / "name_resolve"),
+        "--fileroot",
+        str(root / "files"),
+    ]
+
+
+def worker_env(token: str = TOKEN) -> dict[str, str]:
+    env = {**os.environ, RPC_TOKEN_ENV: token, "PYTHONPATH": str(REPO_ROOT)}
+    env.pop("SLURM_PROCID", None)
+    return env
+
+
+def start_worker(root: Path, role: str = "actor", index: int = 0) -> RunningWorker:
+    output = root / f"{role}{index}.out"
+    with open(output, "wb") as out:
+        process = subprocess.Popen(
+            worker_cmd(root, role, index),
+            env=worker_env(),
+            cwd=REPO_ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    entry = root / "name_resolve" / names.worker("exp", "trial", role, index) / "ENTRY"
+    deadline = time.monotonic() + 60
+    while not entry.exists():
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise RuntimeError(f"worker did not register:\n{output.read_text()}")
+        time.sleep(0.05)
+    return RunningWorker(process, entry.read_text(), root, output)
+
+
+def stop(worker: RunningWorker) -> None:
+    if worker.process.poll() is None:
+        os.killpg(worker.process.pid, signal.SIGKILL)
+        worker.process.wait()
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningWorker]:
+    running = start_worker(tmp_path_factory.mktemp("rpc"))
+    yield running
+    stop(running)
+
+
+@pytest.fixture(scope="module")
+def echo(worker: RunningWorker) -> str:
+    """Name of an EchoEngine on the shared worker."""
+    client = worker.client()
+    return client.create_engine(f"{FAKES}.EchoEngine", "echo", name="first")
+
+
+# --- auth and health ---
+
+
+def test_health_needs_no_token(worker):
+    body = httpx.get(f"{worker.url}/health").json()
+    assert body["status"] == "healthy"
+    assert {"forked_children", "engine_count", "engines"} <= set(body)
+
+
+@pytest.mark.parametrize("token", [None, "", "wrong-token"])
+@pytest.mark.parametrize("path", ["/alloc_ports", "/call", "/create_engine", "/configure", "/fork"])
+def test_every_other_endpoint_needs_the_token(worker, path, token):
+    response = worker.post(path, {"count": 1}, token=token)
+    assert response.status_code == 401
+    assert "error" in response.json()
+
+
+def test_token_is_neither_on_argv_nor_in_output(worker):
+    cmdline = Path(f"/proc/{worker.process.pid}/cmdline").read_bytes()
+    assert TOKEN.encode() not in cmdline
+    assert TOKEN not in worker.output.read_text()
+
+
+def test_server_refuses_to_start_without_a_token(tmp_path):
+    result = subprocess.run(
+        worker_cmd(tmp_path),
+        env=worker_env(token=""),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0
+    assert RPC_TOKEN_ENV in result.stderr
+
+
+def test_worker_index_is_required(tmp_path):
+    cmd = worker_cmd(tmp_path)
+    cmd[cmd.index("--worker-index") + 1] = "-1"
+    result = subprocess.run(
+        cmd, env=worker_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "--worker-index" in result.stderr
+
+
+# --- ports, env, configure ---
+
+
+def test_alloc_ports(worker):
+    client = worker.client()
+    first, second = client.alloc_ports(3), client.alloc_ports(2)
+    assert len(set(first + second)) == 5
+    assert worker.post("/alloc_ports", {"count": 0}).status_code == 400
+    assert worker.post("/alloc_ports", {}).status_code == 400
+    with pytest.raises(PortAllocationError, match="positive"):
+        client.alloc_ports(-1)
+
+
+def test_set_env_reaches_engines(worker, echo):
+    client = worker.client()
+    client.set_env({"AREAL_TEST_FLAG": "on"})
+    assert client.call_engine("get_env", "AREAL_TEST_FLAG", engine_name=echo) == "on"
+    assert worker.post("/set_env", {"env": {"A": 1}}).status_code == 400
+
+
+def test_configure_seeds_with_role_and_rank(worker):
+    client = worker.client()
+    reply = client.configure({"seed": 11}, role="actor", rank=3)
+    # the key is the worker's own --role plus the rank
+    assert reply["seed"] == derive_seed(11, "actor3")
+    assert worker.post("/configure", {"config": {"seed": 1}}).status_code == 400
+    with pytest.raises(WorkerConfigurationError, match="config"):
+        client._control("/configure", {"rank": 0}, WorkerConfigurationError)
+
+
+# --- engines ---
+
+
+def test_create_engine_errors(worker, echo):
+    client = worker.client()
+    with pytest.raises(EngineCreationError, match="already exists"):
+        client.create_engine(f"{FAKES}.EchoEngine", echo)
+    with pytest.raises(EngineImportError, match="cannot import"):
+        client.create_engine(f"{FAKES}.Missing", "missing")
+    with pytest.raises(EngineImportError, match="not a TrainEngine or InferenceEngine"):
+        client.create_engine(f"{FAKES}.NotAnEngine", "plain")
+    with pytest.raises(EngineCreationError, match=r"HTTP 500.*constructor exploded"):
+        client.create_engine(f"{FAKES}.BrokenEngine", "broken")
+    engines = client.health()["engines"]
+    assert echo in engines and not {"missing", "plain", "broken"} & set(engines)
+    response = worker.post("/create_engine", {"engine": f"{FAKES}.BrokenEngine"})
+    assert response.status_code == 400  # no engine_name
+
+
+def test_call_round_trips_values(worker, echo):
+    client = worker.client()
+    tensor = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
+    result = client.call_engine("echo", tensor, Point(1, 2.0), engine_name=echo, flag=(1, 2))
+    assert torch.equal(result["args"][0], tensor)
+    assert result["args"][1] == Point(1, 2.0)
+    assert result["kwargs"] == {"flag": (1, 2)}
+    assert result["name"] == "first"
+
+
+def test_engine_work_runs_on_one_engine_thread(worker, echo):
+    client = worker.client()
+
+    async def many() -> list:
+        calls = [client.async_call_engine("echo", i, engine_name=echo) for i in range(8)]
+        return await asyncio.gather(*calls)
+
+    results = asyncio.run(many())
+    assert [r["args"][0] for r in results] == list(range(8))
+    assert client.call_engine("engine_threads", engine_name=echo) == ["engine"]
+
+
+def test_futures_and_coroutines_are_awaited(worker, echo):
+    client = worker.client()
+    assert client.call_engine("future_square", 7, engine_name=echo) == 49
+    assert client.call_engine("async_double", 21, engine_name=echo) == 42
+
+
+def test_call_errors(worker, echo):
+    client = worker.client()
+    assert worker.post("/call", {"method": "echo", "engine_name": "nope"}).status_code == 404
+    for method in ("no_such_method", "_private", "__class__"):
+        response = worker.post("/call", {"method": method, "engine_name": echo})
+        assert response.status_code == 400, method
+    assert worker.post("/call", {"engine_name": echo}).status_code == 400
+    bad_args = {"method": "echo", "engine_name": echo, "args": {"__areal_type__": "pickle"}}
+    assert worker.post("/call", bad_args).status_code == 400
+    raw = httpx.post(f"{worker.url}/call", content=b"{not json", headers={RPC_TOKEN_HEADER: TOKEN})
+    assert raw.status_code == 400
+    response = worker.post("/call", {"method": "fail", "engine_name": echo, "args": ["boom"]})
+    assert response.status_code == 500
+    assert response.json()["error"] == "Engine method 'fail' failed: RuntimeError: boom"
+    with pytest.raises(EngineCallError, match="boom") as info:
+        client.call_engine("fail", "boom", engine_name=echo, retry_delay=0.01)
+    assert info.value.attempt == 1  # a plain 500 is not retried
+
+
+def test_non_head_train_ranks_return_null(worker):
+    client = worker.client()
+    client.create_engine(f"{FAKES}.FakeTrainEngine", "head", head=True)
+    client.create_engine(f"{FAKES}.FakeTrainEngine", "follower", head=False)
+    assert client.call_engine("step", 1, engine_name="head") == 2
+    assert client.call_engine("step", 1, engine_name="follower") is None
+
+
+def test_destroy_drops_the_engine(worker):
+    client = worker.client()
+    client.create_engine(f"{FAKES}.EchoEngine", "short-lived")
+    client.call_engine("destroy", engine_name="short-lived")
+    assert "short-lived" not in client.health()["engines"]
+
+
+# --- fork ---
+
+
+def test_fork_and_kill(worker):
+    client = worker.client()
+    script = (
+        "import os, time; print('hello from', os.environ['FORK_FLAG'], flush=True); time.sleep(60)"
+    )
+    info = client.fork("helper", 0, [sys.executable, "-c", script], env={"FORK_FLAG": "child"})
+    assert info["status"] == "success" and info["host"] == "127.0.0.1"
+    pid = info["pid"]
+    log_dir = get_log_path(str(worker.root / "files"), "exp", "trial", create=False)
+    deadline = time.monotonic() + 30
+    while "hello from child" not in _read(log_dir / "helper.log"):
+        assert time.monotonic() < deadline, "forked child did not log"
+        time.sleep(0.05)
+    assert "[helper/0] hello from child" in _read(log_dir / "merged.log")
+    assert client.health()["forked_children"] == 1
+    assert (
+        worker.post("/fork", {"role": "helper", "worker_index": 0, "raw_cmd": ["x"]}).status_code
+        == 400
+    )
+    client.kill_forked_worker("helper", 0)
+    assert not process_alive(pid)
+    assert (
+        worker.post("/kill_forked_worker", {"role": "helper", "worker_index": 0}).status_code == 404
+    )
+    assert (
+        worker.post("/fork", {"role": "helper", "worker_index": 1, "raw_cmd": []}).status_code
+        == 400
+    )
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+# --- shutdown ---
+
+
+def test_sigterm_destroys_engines_and_kills_forked_children(tmp_path):
+    running = start_worker(tmp_path, role="rollout", index=2)
+    try:
+        client = running.client()
+        marker = tmp_path / "destroyed"
+        client.create_engine(f"{FAKES}.EchoEngine", "e", destroy_marker=str(marker))
+        child = client.fork("sub", 0, [sys.executable, "-c", "import time; time.sleep(60)"])
+        running.process.send_signal(signal.SIGTERM)
+        assert running.process.wait(timeout=30) == 0
+        assert marker.read_text() == "destroyed echo"
+        assert not process_alive(child["pid"])
+        entry = tmp_path / "name_resolve" / names.worker("exp", "trial", "rollout", 2) / "ENTRY"
+        assert not entry.exists()  # the registration is removed on exit
+    finally:
+        stop(running)
+
+
+# --- client retry rules (against a scripted ASGI peer) ---
+
+
+class ScriptedCallServer:
+    """Answers successive ``/call`` requests with the scripted (status, body) pairs."""
+
+    def __init__(self, script: list[tuple[int, dict]]):
+        self.script = list(script)
+        self.calls = 0
+        self.tokens: list[str] = []
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        self.tokens.append(dict(scope["headers"]).get(b"x-areal-token", b"").decode())
+        status, body = self.script[min(self.calls, len(self.script) - 1)]
+        self.calls += 1
+        await send(
+            {
+                "type": "http.response.start",
+                "status": status,
+                "headers": [(b"content-type", b"application/json")],
+            }
+        )
+        await send({"type": "http.response.body", "body": json_dumps(body)})
+
+
+OK = (200, {"status": "success", "result": 5})
+
+
+@pytest.mark.parametrize(
+    ("script", "expected_calls"),
+    [
+        ([(503, {"error": "busy"}), (503, {"error": "busy"}), OK], 3),
+        ([(500, {"error": "Engine method 'x' failed: TimeoutError: read timeout"}), OK], 2),
+    ],
+)
+def test_client_retries_transient_failures(script, expected_calls):
+    peer = ScriptedCallServer(script)
+    with serve_in_thread(peer) as url:
+        client = RPCClient(url.removeprefix("http://"), token="tok", worker_id="w/0")
+        assert client.call_engine("x", retry_delay=0.01) == 5
+    assert peer.calls == expected_calls
+    assert peer.tokens == ["tok"] * expected_calls
+
+
+def test_client_gives_up_after_max_retries_and_keeps_the_server_error():
+    peer = ScriptedCallServer([(503, {"error": "still busy"})])
+    with serve_in_thread(peer) as url:
+        client = RPCClient(url.removeprefix("http://"), token="tok", worker_id="w/0")
+        with pytest.raises(EngineCallError, match="still busy") as info:
+            client.call_engine("x", max_retries=2, retry_delay=0.01)
+    assert info.value.attempt == 2 and peer.calls == 2
+
+
+def test_client_does_not_retry_client_errors():
+    peer = ScriptedCallServer([(400, {"error": "engine 'w/0' has no method 'x'"})])
+    with serve_in_thread(peer) as url:
+        client = RPCClient(url.removeprefix("http://"), token="tok", worker_id="w/0")
+        with pytest.raises(EngineCallError, match="has no method"):
+            asyncio.run(client.async_call_engine("x", retry_delay=0.01))
+    assert peer.calls == 1
+
+
+def test_client_retries_connection_errors_then_raises(unused_port):
+    checks = []
+    client = RPCClient(
+        f"127.0.0.1:{unused_port}",
+        token="tok",
+        worker_id="w/0",
+        liveness_check=lambda: checks.append(1),
+    )
+    with pytest.raises(EngineCallError, match="no answer") as info:
+        client.call_engine("x", max_retries=3, retry_delay=0.01)
+    assert info.value.attempt == 3
+    assert len(checks) == 4  # before each attempt, and once more to explain the failure
+    with pytest.raises(RPCConnectionError):
+        client.health()
+
+
+def test_client_token_defaults_to_the_environment(monkeypatch):
+    monkeypatch.setenv(RPC_TOKEN_ENV, "from-env")
+    peer = ScriptedCallServer([OK])
+    with serve_in_thread(peer) as url:
+        RPCClient(url.removeprefix("http://")).call_engine("x")
+    assert peer.tokens == ["from-env"]
+
+
+@pytest.fixture
+def unused_port() -> int:
+    from areal.utils.network import find_free_port
+
+    return find_free_port("127.0.0.1")
