@@ -40,8 +40,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
+DEMO_ROOT ?= $(CURDIR)/.cache/demo
+
+# Until the Arena profile lands, the demo trains the toy GRPO example end to end: local
+# scheduler, embedded inference server, FSDP actor on CPU, recover checkpoints, dumps.
 demo: $(STAMP)
-	@echo "make demo: the end-to-end Arena training demo is not yet available (it lands with the trainer)."
+	rm -rf $(DEMO_ROOT)
+	AREAL_FILEROOT=$(DEMO_ROOT) $(PY) -m examples.toy.train --config examples/toy/toy_grpo.yaml \
+	  total_train_steps=12
+	$(PY) -m areal.tools.plot_stats $(DEMO_ROOT)/logs/$$(id -un)/toy-grpo/run0 \
+	  -o $(DEMO_ROOT)/curves.png
+	@echo "demo: stats   $(DEMO_ROOT)/logs/$$(id -un)/toy-grpo/run0/stats.jsonl"
+	@echo "demo: dumps   $(DEMO_ROOT)/logs/$$(id -un)/toy-grpo/run0/rollout/"
+	@echo "demo: curves  $(DEMO_ROOT)/curves.png"
 
 agent-clis:
 	@if [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/claude ] && [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/codex ]; then \

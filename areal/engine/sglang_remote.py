@@ -18,6 +18,7 @@ import random
 import subprocess
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -57,6 +58,7 @@ class RemoteInfEngine(InferenceEngine):
         self.addresses: list[str] = []
         self.local_servers: list[LocalInfServerInfo] = []
         self.local_proxies: list[LocalInfServerInfo] = []
+        self._destroy_callbacks: dict[str, Callable[[], Any]] = {}
         self._version = 0
         self._server_index = 0
         self._sticky: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -116,7 +118,26 @@ class RemoteInfEngine(InferenceEngine):
 
         wait_healthy(address, process, self.config.setup_timeout, "inference server", progress)
 
+    def register_destroy_callback(self, key: str, fn: Callable[[], Any]) -> bool:
+        """Run ``fn`` at :meth:`destroy` (agents release per-worker resources with it).
+
+        The first callback per ``key`` wins; returns whether this one was registered.
+        """
+        if key in self._destroy_callbacks:
+            return False
+        self._destroy_callbacks[key] = fn
+        return True
+
+    def _run_destroy_callbacks(self) -> None:
+        callbacks, self._destroy_callbacks = self._destroy_callbacks, {}
+        for key, fn in callbacks.items():
+            try:
+                fn()
+            except Exception:
+                logger.exception("destroy callback %s failed", key)
+
     def destroy(self) -> None:
+        self._run_destroy_callbacks()
         if self.workflow_executor is not None:
             self.workflow_executor.destroy()
             self.workflow_executor = None
@@ -138,15 +159,23 @@ class RemoteInfEngine(InferenceEngine):
             os.environ.get("AREAL_CACHE_DIR", f"/tmp/areal-{os.getuid()}"),
             f"triton-{uuid.uuid4().hex[:8]}",
         )
-        process = subprocess.Popen(self.backend.launch_command(args), env=child_env(env))
-        info = LocalInfServerInfo(host=args["host"], port=int(args["port"]), process=process)
+        command = self.backend.launch_command(args)
+        info = self._start_healthy(command, env, args["host"], int(args["port"]))
+        self.local_servers.append(info)
+        return info
+
+    def _start_healthy(
+        self, command: list[str], env: dict[str, str], host: str, port: int
+    ) -> LocalInfServerInfo:
+        """Start a child HTTP service and wait for its ``/health`` (killed on failure)."""
+        process = subprocess.Popen(command, env=child_env(env))
+        info = LocalInfServerInfo(host=host, port=port, process=process)
         try:
             self._wait_healthy(info.address, process)
         except BaseException:
             process.kill()
             process.wait()
             raise
-        self.local_servers.append(info)
         return info
 
     def launch_local_server(self, server_args: dict[str, Any]) -> str:
@@ -195,15 +224,7 @@ class RemoteInfEngine(InferenceEngine):
             "--request-timeout",
             str(self.config.request_timeout),
         ]
-        env = child_env({**os.environ, "SWE_RL_ADMIN_API_KEY": admin})
-        process = subprocess.Popen(cmd, env=env)
-        info = LocalInfServerInfo(host=host, port=port, process=process)
-        try:
-            self._wait_healthy(info.address, process)
-        except BaseException:
-            process.kill()
-            process.wait()
-            raise
+        info = self._start_healthy(cmd, {**os.environ, "SWE_RL_ADMIN_API_KEY": admin}, host, port)
         self.local_proxies.append(info)
         self._tell_proxies("/rl/set_version", {"version": self._version})
         return f"http://{info.address}"

@@ -237,3 +237,14 @@ def test_nccl_weight_endpoints_explain_what_a_cpu_server_cannot_do(server):
     assert response.status_code == 400
     assert "no weight-update group" in response.json()["error"]["message"]
     assert httpx.post(f"{base}/init_weights_update_group", json={}).status_code in (400, 422)
+
+
+def test_destroy_callbacks_run_once_first_registration_wins():
+    remote = RemoteSGLangEngine(InferenceEngineConfig(backend="hf:d1"))
+    calls = []
+    assert remote.register_destroy_callback("routes", lambda: calls.append("first"))
+    assert not remote.register_destroy_callback("routes", lambda: calls.append("second"))
+    assert remote.register_destroy_callback("boom", lambda: 1 / 0)  # logged, not raised
+    remote.destroy()
+    remote.destroy()
+    assert calls == ["first"]
