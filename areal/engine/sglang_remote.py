@@ -223,7 +223,11 @@ class RemoteInfEngine(InferenceEngine):
             agent.chat_template_type,
             "--request-timeout",
             str(self.config.request_timeout),
+            "--session-timeout",
+            str(getattr(agent, "session_timeout_seconds", 3600)),
         ]
+        if agent.engine_max_tokens is not None:  # caps prompt + completion of every call
+            cmd += ["--engine-max-tokens", str(agent.engine_max_tokens)]
         info = self._start_healthy(cmd, {**os.environ, "SWE_RL_ADMIN_API_KEY": admin}, host, port)
         self.local_proxies.append(info)
         self._tell_proxies("/rl/set_version", {"version": self._version})

@@ -266,7 +266,8 @@ class PPOTrainer:
             self.stats_logger.commit(epoch, epoch_step, global_step, stats)
             progress.update(global_step + 1, stats)
             self.after_step(step_info, stats)
-            self.rollout.resume()
+            if global_step + 1 < max_steps:  # nothing is launched for a step that never runs
+                self.rollout.resume()
         progress.close()
 
     def after_step(self, step_info: Any, stats: dict[str, float]) -> None:

@@ -299,6 +299,14 @@ async def test_harness_failures_map_to_task_statuses(tmp_path, answers):
         arena.set_faults(force_status={data_id: "COLLECT_FAILED"})
         forced = await outcome()
         assert forced.status == "COLLECT_FAILED" and "fault injection" in forced.result.raw["error"]
+        # the harness runs (its LLM calls happen), then fails as a Claude Code agent phase
+        calls_before = len(llm.calls)
+        arena.set_faults(fail_after_harness={data_id: "HARNESS_FAILED"})
+        after = await outcome()
+        assert after.status == "HARNESS_FAILED" and len(llm.calls) > calls_before
+        error = after.result.raw["error"].lower()
+        assert "harness: harness agent phase exited with code" in error
+        assert "harness: agent phase error: claude reported error" in error
         await client.aclose()
 
 

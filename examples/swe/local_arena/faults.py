@@ -13,6 +13,10 @@ while the server runs (``PUT /openapi/v1/local/faults``):
 ``force_status``
     ``{data_id or stream_id: STATUS}``: tasks for that row or Stream end with the status
     (for example ``HARNESS_FAILED``, ``TIMEOUT``) without running the harness.
+``fail_after_harness``
+    ``{data_id or stream_id: STATUS}``: the harness runs (its LLM calls happen), then the
+    task ends with the status. ``HARNESS_FAILED`` carries the error text a Claude Code
+    harness reports when its agent phase fails, as a real harness crash after some turns.
 ``route_ttl_seconds``
     registered LLM routes neither registered nor renewed (``PATCH``) within this many
     seconds are garbage-collected, as real Arena does with idle routes.
@@ -45,6 +49,7 @@ class FaultConfig:
     error_rates: dict[str, float] = field(default_factory=dict)
     latency_ms: float = 0.0
     force_status: dict[str, str] = field(default_factory=dict)
+    fail_after_harness: dict[str, str] = field(default_factory=dict)
     route_ttl_seconds: float | None = None
     seed: int | None = None
 
@@ -71,15 +76,8 @@ class FaultConfig:
             checked[kind] = float(rate)
         if sum(checked.values()) > 1:
             raise FaultError(f"{where}.error_rates: the rates add up to more than 1")
-        forced: dict[str, str] = {}
-        for target, status in (raw.get("force_status") or {}).items():
-            normalized = str(status).strip().upper()
-            if normalized not in TERMINAL_STATUSES:
-                raise FaultError(
-                    f"{where}.force_status.{target}: {status!r} is not a terminal task status "
-                    f"({', '.join(sorted(TERMINAL_STATUSES))})"
-                )
-            forced[str(target)] = normalized
+        forced = _statuses(raw, "force_status", where)
+        after = _statuses(raw, "fail_after_harness", where)
         latency = raw.get("latency_ms", 0.0)
         if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
             raise FaultError(f"{where}.latency_ms must be a number >= 0")
@@ -91,13 +89,14 @@ class FaultConfig:
         seed = raw.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise FaultError(f"{where}.seed must be an integer or null")
-        return cls(checked, float(latency), forced, ttl, seed)
+        return cls(checked, float(latency), forced, after, ttl, seed)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "error_rates": dict(self.error_rates),
             "latency_ms": self.latency_ms,
             "force_status": dict(self.force_status),
+            "fail_after_harness": dict(self.fail_after_harness),
             "route_ttl_seconds": self.route_ttl_seconds,
             "seed": self.seed,
         }
@@ -116,3 +115,20 @@ class FaultConfig:
 
     def forced_status(self, stream_id: str, data_id: str) -> str | None:
         return self.force_status.get(data_id) or self.force_status.get(stream_id)
+
+    def status_after_harness(self, stream_id: str, data_id: str) -> str | None:
+        return self.fail_after_harness.get(data_id) or self.fail_after_harness.get(stream_id)
+
+
+def _statuses(raw: dict[str, Any], key: str, where: str) -> dict[str, str]:
+    """``{target: STATUS}`` of a status-forcing setting, each a terminal status."""
+    out: dict[str, str] = {}
+    for target, status in (raw.get(key) or {}).items():
+        normalized = str(status).strip().upper()
+        if normalized not in TERMINAL_STATUSES:
+            raise FaultError(
+                f"{where}.{key}.{target}: {status!r} is not a terminal task status "
+                f"({', '.join(sorted(TERMINAL_STATUSES))})"
+            )
+        out[str(target)] = normalized
+    return out

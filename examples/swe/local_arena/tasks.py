@@ -49,6 +49,12 @@ __all__ = ["Launch", "TaskRunner"]
 logger = logging.getLogger("local_arena.tasks")
 
 RAW_TEXT_LIMIT = 4000
+# What a Claude Code harness reports when its agent phase fails after running (see
+# harnesses/cli.py); the client treats it as the model's failure when turns were recorded.
+AGENT_PHASE_ERROR = (
+    "harness: harness agent phase exited with code 1\n"
+    "harness: agent phase error: claude reported error"
+)
 
 
 @dataclass
@@ -203,6 +209,10 @@ class TaskRunner:
             "turns": output.turns,
             "transcript": output.transcript[-20:],
         }
+        failed = self.faults().status_after_harness(launch.stream.stream_id, launch.row.data_id)
+        if failed is not None:
+            error = AGENT_PHASE_ERROR if failed == "HARNESS_FAILED" else f"status {failed} forced"
+            return failed, None, {**details, "error": f"{error} (fault injection)"}
         if not (output.answer or "").strip():
             return "NO_OUTPUT", None, {**details, "error": "the harness produced no answer"}
         try:

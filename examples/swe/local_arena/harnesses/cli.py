@@ -64,6 +64,14 @@ def _cli_path_env() -> str:
     return search_path(str(Path(node).parent)) if node else search_path()
 
 
+def _extra_args(spec: HarnessSpec) -> list[str]:
+    """The harness's ``extra_args`` option: more CLI flags (e.g. a smaller tool set)."""
+    extra = spec.options.get("extra_args", [])
+    if not isinstance(extra, list) or not all(isinstance(a, str) for a in extra):
+        raise HarnessError(f"harness {spec.ref}: options.extra_args must be a list of strings")
+    return list(extra)
+
+
 def _cli_failure(name: str, result: ProcessResult, run: HarnessRun) -> HarnessError:
     if result.timed_out:
         what = "timed out"
@@ -79,6 +87,7 @@ async def run_claude_code(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
     argv = [str(claude), "-p", run.prompt, "--model", run.model, "--output-format", "json"]
     if "max_turns" in spec.options:
         argv += ["--max-turns", str(int(spec.options["max_turns"]))]
+    argv += _extra_args(spec)
     with tempfile.TemporaryDirectory(prefix="arena-claude-home-") as home:
         env = {
             "PATH": _cli_path_env(),
