@@ -42,17 +42,11 @@ test-fast: $(STAMP)
 
 DEMO_ROOT ?= $(CURDIR)/.cache/demo
 
-# Until the Arena profile lands, the demo trains the toy GRPO example end to end: local
-# scheduler, embedded inference server, FSDP actor on CPU, recover checkpoints, dumps.
+# Arena GRPO on the embedded default: a local Arena, the local scheduler, the embedded
+# inference server and an FSDP actor on CPU, with SmolLM2-135M-Instruct; then a summary.
 demo: $(STAMP)
 	rm -rf $(DEMO_ROOT)
-	AREAL_FILEROOT=$(DEMO_ROOT) $(PY) -m examples.toy.train --config examples/toy/toy_grpo.yaml \
-	  total_train_steps=12
-	$(PY) -m areal.tools.plot_stats $(DEMO_ROOT)/logs/$$(id -un)/toy-grpo/run0 \
-	  -o $(DEMO_ROOT)/curves.png
-	@echo "demo: stats   $(DEMO_ROOT)/logs/$$(id -un)/toy-grpo/run0/stats.jsonl"
-	@echo "demo: dumps   $(DEMO_ROOT)/logs/$$(id -un)/toy-grpo/run0/rollout/"
-	@echo "demo: curves  $(DEMO_ROOT)/curves.png"
+	$(PY) -m examples.swe.demo --root $(DEMO_ROOT)
 
 agent-clis:
 	@if [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/claude ] && [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/codex ]; then \

@@ -9,7 +9,8 @@ Panels (x axis: ``global_step``), each drawn only when its keys are present:
   ``ppo_actor/n_valid_tokens`` over the wall time between consecutive steps' rows;
 * step time: ``timeperf/*`` keys (seconds per phase).
 
-``…/min`` and ``…/max`` companions are left out to keep panels readable. When a resumed
+``…/min`` and ``…/max`` companions and per-task ``debug/`` keys are left out, and a panel
+shows at most eight keys (the least nested first), to keep panels readable. When a resumed
 run logged a step twice, its last row wins. If no key fits a panel, up to eight numeric
 keys are drawn in one panel instead.
 """
@@ -36,6 +37,7 @@ TOKEN_KEY = "ppo_actor/n_valid_tokens"
 TOKENS_PER_SEC = "tokens/s (derived)"
 _META_KEYS = frozenset({"epoch", "step", "global_step", "time"})
 _FALLBACK_KEYS = 8
+_MAX_KEYS_PER_PANEL = 8
 
 
 class PlotError(RuntimeError):
@@ -87,14 +89,26 @@ def add_tokens_per_sec(rows: list[dict[str, float]]) -> None:
 
 
 def panel_keys(keys: list[str]) -> list[tuple[str, list[str]]]:
-    """``(title, keys)`` of each non-empty panel, in drawing order."""
+    """``(title, keys)`` of each non-empty panel, in drawing order.
+
+    Per-task ``debug/`` keys are left out, and a panel keeps at most
+    ``_MAX_KEYS_PER_PANEL`` keys, the least nested first (``rollout/reward_mean`` before
+    ``rollout/stream/a/reward``), so legends stay readable on runs with many Streams.
+    """
 
     def pick(test: Callable[[str], bool]) -> list[str]:
-        return [k for k in keys if test(k) and not k.endswith(("/min", "/max"))]
+        chosen = [
+            k
+            for k in keys
+            if test(k) and not k.endswith(("/min", "/max")) and not k.startswith("debug/")
+        ]
+        ranked = sorted(chosen, key=lambda k: (k.count("/"), chosen.index(k)))
+        kept = set(ranked[:_MAX_KEYS_PER_PANEL])
+        return [k for k in chosen if k in kept]
 
     panels = [
-        ("reward", pick(lambda k: "reward" in k)),
-        ("loss", pick(lambda k: "loss" in k)),
+        ("reward", pick(lambda k: "reward" in k and "success" not in k)),
+        ("loss", pick(lambda k: "loss" in k and "n_valid" not in k)),
         ("entropy", pick(lambda k: "entropy" in k)),
         ("throughput", pick(lambda k: "throughput" in k or k == TOKENS_PER_SEC)),
         ("step time (s)", pick(lambda k: k.startswith("timeperf/"))),

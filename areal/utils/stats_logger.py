@@ -253,7 +253,11 @@ class ProgressDisplay:
         *,
         console: Console | None = None,
         clock: Callable[[], float] = time.monotonic,
-        reward_keys: tuple[str, ...] = ("rollout/reward", "ppo_actor/task_reward/avg"),
+        reward_keys: tuple[str, ...] = (
+            "rollout/reward_mean",
+            "rollout/reward",
+            "ppo_actor/task_reward/avg",
+        ),
         token_key: str = "ppo_actor/n_valid_tokens",
         sample_key: str = "ppo_actor/n_seqs",
     ):
