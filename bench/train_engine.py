@@ -16,13 +16,19 @@ LM head, whose matmul runs even with tied embeddings) and T the tokens; the seco
 attention: QK^T and AV are 2 x len^2 x hidden FLOPs each, halved by the causal mask, and
 x3 for forward plus backward. Peak: --peak-tflops (989 for H100/H200 dense bf16).
 
+* megatron (``--engines fsdp,megatron``): the same packed micro-batches through
+  ``MegatronEngine`` (megatron-core + mbridge, one GPU, distributed optimizer); its LM head
+  produces full-vocabulary logits per micro-batch, hence its own --megatron-mb-tokens.
+
     python3 bench/train_engine.py                 # on a GPU machine
     python3 bench/train_engine.py --only engine   # one side
+    python3 bench/train_engine.py --engines fsdp,megatron   # add the Megatron column
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -73,9 +79,10 @@ def flops_per_step(cfg, seqs: list[torch.Tensor]) -> float:
     return 6.0 * dense * tokens + attention
 
 
-def run_engine(model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float) -> dict:
+def run_engine(
+    model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float, backend: str = "fsdp"
+) -> dict:
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
-    from areal.engine.fsdp_engine import FSDPEngine
 
     config = TrainEngineConfig(
         experiment_name="bench",
@@ -86,7 +93,14 @@ def run_engine(model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float) -> 
         optimizer=OptimizerConfig(lr=lr, warmup_steps_proportion=0.0),
         logprobs_chunk_size=4096,
     )
-    engine = FSDPEngine(config)
+    if backend == "megatron":
+        from areal.engine.megatron_engine import MegatronEngine
+
+        engine = MegatronEngine(config)
+    else:
+        from areal.engine.fsdp_engine import FSDPEngine
+
+        engine = FSDPEngine(config)
     engine.create_process_group()
     engine.initialize()
     batch = padded(seqs)
@@ -181,10 +195,21 @@ def main() -> None:
         default=32768,
         help="engine: packed tokens per micro-batch (no padding waste)",
     )
+    parser.add_argument(
+        "--megatron-mb-tokens",
+        type=int,
+        default=16384,
+        help="megatron: packed tokens per micro-batch (full-vocabulary logits per mb)",
+    )
+    parser.add_argument(
+        "--engines",
+        default="fsdp",
+        help="comma-separated engine columns: fsdp (reported as 'engine'), megatron",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
-    parser.add_argument("--only", choices=["engine", "plain"], default=None)
+    parser.add_argument("--only", choices=["engine", "megatron", "plain"], default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -202,12 +227,24 @@ def main() -> None:
         tokens = sum(len(s) for s in seqs)
         flops = flops_per_step(cfg, seqs)
         results = {}
-        for name, run in (("engine", run_engine), ("plain", run_plain)):
+        engines = {e.strip() for e in args.engines.split(",") if e.strip()}
+        if engines - {"fsdp", "megatron"}:
+            raise SystemExit(f"--engines: unknown {sorted(engines - {'fsdp', 'megatron'})}")
+        columns = [
+            ("engine", functools.partial(run_engine, backend="fsdp"), args.engine_mb_tokens),
+            ("megatron", functools.partial(run_engine, backend="megatron"),
+             args.megatron_mb_tokens),
+            ("plain", run_plain, args.mb_tokens),
+        ]  # fmt: skip
+        for name, run, budget in columns:
             if args.only and args.only != name:
+                continue
+            if name == "engine" and "fsdp" not in engines:
+                continue
+            if name == "megatron" and "megatron" not in engines:
                 continue
             torch.cuda.reset_peak_memory_stats()
             try:
-                budget = args.engine_mb_tokens if name == "engine" else args.mb_tokens
                 results[name] = run(model_dir, seqs, budget, args.steps, args.lr)
             except torch.OutOfMemoryError as e:
                 results[name] = {"error": f"out of memory: {str(e)[:200]}"}

@@ -36,7 +36,10 @@ __all__ = ["PPOTrainer"]
 
 logger = logging.getLogger("trainer")
 
-ACTOR_ENGINES = {"fsdp": "areal.trainer.ppo.actor.FSDPPPOActor"}
+ACTOR_ENGINES = {
+    "fsdp": "areal.trainer.ppo.actor.FSDPPPOActor",
+    "megatron": "areal.trainer.ppo.actor.MegatronPPOActor",
+}
 
 
 def _is_workflow(workflow: Any) -> bool:

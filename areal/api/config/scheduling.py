@@ -33,18 +33,18 @@ class SchedulingSpec(ConfigNode):
     )
     srun_additional_args: str = cfg_field(
         "--unbuffered --mpi=pmi2 -K --chdir $PWD",
-        help="Ignored by the Slurm scheduler (kept for YAML compatibility).",
+        help="Extra srun arguments for the worker step (quoted; $VARS expand on the node).",
     )
     additional_bash_cmds: list[str] | None = cfg_field(
         None, help="Shell commands run inside the container before cmd (e.g. source creds)."
     )
     container_type: str = cfg_field(
         "apptainer",
-        help="Ignored by the Slurm scheduler, which always uses the container binary.",
+        help="apptainer: run in the image with $AREAL_CONTAINER_BIN; none: run on the host.",
         choices=("apptainer", "none"),
     )
     mount: str = cfg_field(
-        "/storage:/storage", help="Ignored; add binds through APPTAINER_BIND instead."
+        "/storage:/storage", help="Comma-separated container binds (one --bind each)."
     )
     nodelist: str | None = cfg_field(None, help="sbatch --nodelist.")
     exclude: str | None = cfg_field(None, help="sbatch --exclude.")

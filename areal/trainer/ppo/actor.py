@@ -6,7 +6,8 @@
 * ``ppo_update(data)``: ``ppo_n_minibatches`` optimizer steps, each a token mean of the
   clipped (decoupled) surrogate over the global minibatch.
 
-``FSDPPPOActor`` is the FSDP engine with these three methods.
+``FSDPPPOActor`` and ``MegatronPPOActor`` are the FSDP and Megatron engines with these
+three methods (megatron-core is only imported when a Megatron actor is initialized).
 """
 
 from __future__ import annotations
@@ -18,11 +19,12 @@ import torch
 from areal.api.cli_args import PPOActorConfig
 from areal.api.engine_api import TrainEngine
 from areal.engine.fsdp_engine import FSDPEngine
+from areal.engine.megatron_engine import MegatronEngine
 from areal.trainer.ppo.functions import compute_advantages, ppo_actor_loss, prox_logp_for_method
 from areal.utils import stats_tracker
 from areal.utils.packing import split_into_minibatches
 
-__all__ = ["FSDPPPOActor", "PPOActor"]
+__all__ = ["FSDPPPOActor", "MegatronPPOActor", "PPOActor"]
 
 DROPPED_BEFORE_UPDATE = ("rewards", "tot_rewards", "kl_rewards")
 UPDATE_SCOPE = "ppo_actor/update"
@@ -133,8 +135,8 @@ class PPOActor:
             tracker.scalar(actor_loss=float(loss.detach()))
 
 
-class FSDPPPOActor(FSDPEngine):
-    """The FSDP engine with the PPO actor's methods."""
+class _PPOActorMethods:
+    """The PPO actor's methods on a training engine (mixed in before the engine class)."""
 
     def __init__(self, config: PPOActorConfig):
         super().__init__(config)
@@ -150,3 +152,11 @@ class FSDPPPOActor(FSDPEngine):
 
     def ppo_update(self, data: dict[str, Any]) -> list[dict[str, float]]:
         return self.actor.ppo_update(data)
+
+
+class FSDPPPOActor(_PPOActorMethods, FSDPEngine):
+    """The FSDP engine with the PPO actor's methods."""
+
+
+class MegatronPPOActor(_PPOActorMethods, MegatronEngine):
+    """The Megatron engine with the PPO actor's methods."""

@@ -1,0 +1,960 @@
+"""``MegatronEngine``: a Hugging Face checkpoint trained on megatron-core, bridged by mbridge.
+
+* Process groups: Megatron-Core's tensor / pipeline / context / expert / data groups from
+  the allocation string (``megatron:d2t2p1``, or ``megatron:(attn:...|ffn:...)`` for MoE),
+  in Megatron's ``tp-cp-ep-dp-pp`` order, plus a gloo group over every rank.
+* Model: ``mbridge.AutoBridge`` turns the HF config into a ``TransformerConfig`` and a
+  ``GPTModel`` (one chunk per virtual pipeline stage), loads the HF safetensors into the
+  sharded parameters and exports them back under HF names. Layers use Megatron's local
+  (non Transformer Engine) modules with this module's packed causal attention, so the
+  engine runs where only torch is installed.
+* Micro-batches: the same packed varlen streams as :class:`FSDPEngine` (THD layout with
+  ``cu_seqlens``), run through Megatron's pipeline schedule (``get_forward_backward_func``).
+  Log-probs come from the vocab-parallel logits (log-sum-exp reduced over the TP group).
+* ``train_batch``: each micro-batch loss is weighted ``w_mb / W`` (``W`` summed over the
+  data-parallel ranks) and multiplied by the DP size and by the number of micro-batches,
+  which undoes the schedule's division by the micro-batch count and DDP's gradient
+  averaging: one step optimizes the token mean of the global batch, as FSDP does (§7.4).
+* Optimizer: Megatron's (distributed) optimizer over DDP gradient buffers; the global
+  gradient norm is clipped and a non-finite norm skips the step. LR schedule: the same
+  warmup + constant/linear/cosine multiplier as the FSDP engine.
+* Checkpoints: HF safetensors exported through the bridge (rank 0 writes) and Megatron's
+  distributed checkpoint (torch DCP format) for recover, optimizer optional.
+* Weight sync to inference: over disk (HF export) or NCCL in buckets from rank 0, with the
+  same protocol as the FSDP engine; the bridge gathers TP/PP/EP shards for every tensor.
+
+megatron-core and mbridge are imported inside methods only: importing this module needs
+neither (``pip install 'areal-arena[megatron]'`` for using it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal.api.cli_args import TrainEngineConfig
+from areal.api.engine_api import InferenceEngine, TrainEngine
+from areal.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.engine.attention import packed_causal_attention
+from areal.engine.fsdp_engine import (
+    EXTRA_STATE,
+    PROCESS_GROUP_TIMEOUT,
+    LossFn,
+    WeightFn,
+    _experiment,
+    _flat,
+    _join_weight_group,
+    _rng_state,
+    _set_rng_state,
+    to_dtype,
+)
+from areal.engine.logprobs import next_token_labels
+from areal.engine.optim import lr_multiplier
+from areal.utils import logging, name_resolve, names
+from areal.utils.network import find_free_port, gethostip
+from areal.utils.packing import split_padded_tensor_dict_into_mb_list
+
+__all__ = ["MegatronEngine", "vocab_parallel_logprobs"]
+
+logger = logging.getLogger("engine.megatron")
+
+HF_SHARD_BYTES = 3 * 2**30
+# Megatron's local layer spec names the two RMSNorms of a layer as modules of their own;
+# mbridge only knows the Transformer Engine names, where they are fused into the linears.
+LOCAL_SPEC_OTHER = {
+    "input_layernorm.weight": ["model.layers.{layer_number}.input_layernorm.weight"]
+}
+LOCAL_SPEC_MLP = {
+    "pre_mlp_layernorm.weight": ["model.layers.{layer_number}.post_attention_layernorm.weight"]
+}
+
+
+# --- log-probs over a vocab-parallel LM head ---
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor, labels: torch.Tensor, tp_group: Any, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``log_softmax(logits / temperature)`` at ``labels``, and the entropy, for vocab shards.
+
+    ``logits`` ``[T, V / tp]`` (this rank's slice of the vocabulary, any float dtype),
+    ``labels`` ``[T]`` global token ids. Returns ``(logp [T], entropy [T])`` in float32;
+    ``logp`` is differentiable (Megatron's vocab-parallel cross entropy), ``entropy`` is
+    detached and only reported.
+    """
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    with torch.no_grad():
+        entropy = _vocab_parallel_entropy(logits, tp_group)
+    # the cross entropy shifts its input in place: give it its own copy
+    logp = -vocab_parallel_cross_entropy(logits.clone(), labels.long())
+    return logp, entropy
+
+
+def _vocab_parallel_entropy(logits: torch.Tensor, tp_group: Any) -> torch.Tensor:
+    # H = lse - sum_v p_v * logit_v, with max, sum-exp and the weighted sum reduced over TP
+    peak = logits.max(-1).values
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = logits - peak[:, None]
+    sum_exp = shifted.exp().sum(-1)
+    dist.all_reduce(sum_exp, group=tp_group)
+    probs = (shifted - sum_exp.log()[:, None]).exp()
+    weighted = (probs * shifted).sum(-1)
+    dist.all_reduce(weighted, group=tp_group)
+    return sum_exp.log() - weighted
+
+
+# --- attention for packed streams without Transformer Engine ---
+
+
+def _packed_core_attention_class():
+    """A Megatron core-attention module computing causal attention per packed segment."""
+    from megatron.core.transformer.module import MegatronModule
+
+    class PackedCoreAttention(MegatronModule):
+        """Drop-in for ``DotProductAttention`` taking THD input with ``PackedSeqParams``.
+
+        ``query`` ``[T, Hq, D]``, ``key``/``value`` ``[T, Hkv, D]`` (Megatron squeezes the
+        batch dim for THD); returns ``[T, Hq, D]``. Attention never crosses a segment.
+        """
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
+            super().__init__(config=config)
+            if config.context_parallel_size != 1:
+                raise ValueError("context parallelism needs Transformer Engine attention")
+            self.softmax_scale = kwargs.get("softmax_scale")
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                    attention_bias=None, packed_seq_params=None):  # fmt: skip
+            if packed_seq_params is None:
+                raise ValueError("PackedCoreAttention needs packed (THD) inputs")
+            cu = packed_seq_params.cu_seqlens_q
+            return packed_causal_attention(
+                query, key, value, cu, int(packed_seq_params.max_seqlen_q),
+                scale=self.softmax_scale,
+            )  # fmt: skip
+
+    return PackedCoreAttention
+
+
+def _local_layer_spec(bridge: Any, vp_stage: int | None = None):
+    """mbridge's decoder block spec, built from Megatron's local modules."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
+    spec = get_gpt_decoder_block_spec(bridge.config, use_transformer_engine=False, **kwargs)
+    attention_cls = _packed_core_attention_class()
+    for layer in spec.layer_specs:
+        layer.submodules.self_attention.submodules.core_attention = attention_cls
+    return spec
+
+
+def _fix_bridge(bridge: Any) -> None:
+    """Per-instance adjustments so mbridge 0.15.1 works with transformers 5 and local layers."""
+    hf = bridge.hf_config
+    if not hasattr(hf, "rope_theta"):  # transformers 5 moved it into rope_parameters
+        params = getattr(hf, "rope_parameters", None) or {}
+        hf.rope_theta = params.get("rope_theta", 10000.0)
+    # the class-level dicts are shared (and edited for tied models); keep private copies
+    direct = dict(type(bridge)._DIRECT_MAPPING)
+    tied = bool(getattr(hf, "tie_word_embeddings", False))
+    direct["output_layer.weight"] = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    bridge._DIRECT_MAPPING = direct
+    bridge._OTHER_MAPPING = {**type(bridge)._OTHER_MAPPING, **LOCAL_SPEC_OTHER}
+    bridge._MLP_MAPPING = {**LOCAL_SPEC_MLP, **type(bridge)._MLP_MAPPING}
+    bridge._get_transformer_layer_spec = functools.partial(_local_layer_spec, bridge)
+    bridge.has_vp_stage = True
+
+
+def _fp32_lm_head(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Forward pre-hook: run the output layer's matmul in float32."""
+    weight = kwargs.get("weight")
+    kwargs["weight"] = (module.weight if weight is None else weight).float()
+    return (args[0].float(), *args[1:]), kwargs
+
+
+class MegatronEngine(TrainEngine):
+    def __init__(self, config: TrainEngineConfig):
+        self.config = config
+        self.model: list[torch.nn.Module] = []
+        self.bridge: Any = None
+        self.optimizer: Any = None
+        self.tokenizer: Any = None
+        self.device = torch.device("cpu")
+        self.parallel: Any = None
+        self._cpu_group: dist.ProcessGroup | None = None
+        self._mp_group: dist.ProcessGroup | None = None
+        self._reporter_group: dist.ProcessGroup | None = None
+        self._reporters: list[int] = []
+        self._own_process_group = False
+        self._groups_ready = False
+        self._version = 0
+        self._lr_step = 0
+        self._total_steps = 1
+        self._training = True
+        self.rollout_engine: InferenceEngine | None = None
+        self._weight_group: dist.ProcessGroup | None = None
+
+    # --- process groups ---
+
+    def _strategy(self, parallel_strategy: Any, world: int):
+        from areal.api.alloc_mode import ModelAllocation, ParallelStrategy
+
+        if parallel_strategy is None:
+            backend = getattr(self.config, "backend", None)
+            if isinstance(backend, str) and backend.startswith("megatron"):
+                parallel_strategy = ModelAllocation.from_str(backend).parallel
+            else:
+                parallel_strategy = ParallelStrategy(data_parallel_size=world)
+        if parallel_strategy.world_size != world:
+            raise ValueError(
+                f"the allocation spans {parallel_strategy.world_size} ranks "
+                f"(d{parallel_strategy.dp_size} t{parallel_strategy.tp_size} "
+                f"p{parallel_strategy.pp_size} c{parallel_strategy.cp_size}) but "
+                f"torch.distributed has {world}"
+            )
+        if parallel_strategy.cp_size > 1:
+            raise ValueError(
+                "context parallelism (c > 1) needs Transformer Engine attention, which this "
+                "engine does not use; use t (tensor) or p (pipeline) parallelism instead"
+            )
+        return parallel_strategy
+
+    def create_process_group(self, parallel_strategy: Any = None) -> None:
+        from megatron.core import parallel_state, tensor_parallel
+
+        use_cuda = torch.cuda.is_available()
+        if use_cuda:
+            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local_rank)
+            self.device = torch.device("cuda", local_rank)
+        if not dist.is_initialized():
+            backend = "nccl" if use_cuda else "gloo"
+            if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+                dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
+            else:  # a single process: a private one-rank group
+                dist.init_process_group(
+                    backend,
+                    init_method=f"tcp://127.0.0.1:{find_free_port('127.0.0.1')}",
+                    rank=0,
+                    world_size=1,
+                    timeout=PROCESS_GROUP_TIMEOUT,
+                )
+            self._own_process_group = True
+        p = self.parallel = self._strategy(parallel_strategy, dist.get_world_size())
+        vpp = self.config.megatron.virtual_pipeline_parallel_size
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=p.tp_size,
+            pipeline_model_parallel_size=p.pp_size,
+            virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            context_parallel_size=p.cp_size,
+            expert_model_parallel_size=p.ep_size,
+            expert_tensor_parallel_size=p.etp_size,
+            order="tp-cp-ep-dp-pp",
+        )
+        if use_cuda:
+            tensor_parallel.model_parallel_cuda_manual_seed(1)
+        self._cpu_group = (
+            dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
+            if dist.get_backend() != "gloo"
+            else dist.group.WORLD
+        )
+        self._mp_group = parallel_state.get_model_parallel_group()
+        # ranks whose loss and statistics count: one per data-parallel replica
+        reporter = (
+            parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+            and parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        )
+        flags = [None] * dist.get_world_size()
+        dist.all_gather_object(flags, reporter, group=self._cpu_group)
+        self._reporters = [r for r, flag in enumerate(flags) if flag]
+        self._reporter_group = dist.new_group(
+            self._reporters, backend="gloo", timeout=PROCESS_GROUP_TIMEOUT
+        )
+        self._groups_ready = True
+
+    @property
+    def data_parallel_group(self) -> dist.ProcessGroup:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_group()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_rank()
+
+    @property
+    def data_parallel_world_size(self) -> int:
+        from megatron.core import parallel_state
+
+        return parallel_state.get_data_parallel_world_size()
+
+    @property
+    def cpu_group(self) -> dist.ProcessGroup:
+        return self._cpu_group
+
+    @property
+    def context_and_model_parallel_group(self) -> dist.ProcessGroup:
+        return self._mp_group
+
+    def current_data_parallel_head(self) -> int:
+        return min(dist.get_process_group_ranks(self._mp_group))
+
+    @property
+    def _tp_group(self):
+        from megatron.core import parallel_state
+
+        return parallel_state.get_tensor_model_parallel_group()
+
+    @property
+    def _is_last_stage(self) -> bool:
+        from megatron.core import parallel_state
+
+        return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+
+    # --- model ---
+
+    def initialize(
+        self, addr: str | None = None, ft_spec: FinetuneSpec | None = None, **kwargs: Any
+    ) -> None:
+        if addr is not None:
+            raise ValueError("MegatronEngine.initialize takes no address (addr must be None)")
+        if not self._groups_ready:
+            self.create_process_group(kwargs.get("parallel_strategy"))
+        from mbridge import AutoBridge
+
+        cfg = self.config
+        if not cfg.path:
+            raise ValueError("actor.path must name an HF model directory")
+        dtype = to_dtype(cfg.dtype)
+        self.bridge = AutoBridge.from_pretrained(cfg.path, dtype=dtype)
+        _fix_bridge(self.bridge)
+        self.bridge.set_extra_args(**self._transformer_overrides())
+        train = cfg.optimizer is not None
+        mcfg = cfg.megatron
+        ddp = dataclasses.asdict(mcfg.ddp) if hasattr(mcfg.ddp, "__dataclass_fields__") else {}
+        ddp = {k: v for k, v in ddp.items() if not k.startswith("_")}
+        self.model = self.bridge.get_model(
+            wrap_with_ddp=train,
+            bf16=dtype == torch.bfloat16,
+            fp16=dtype == torch.float16,
+            ddp_config=ddp,
+            use_cpu_initialization=self.device.type == "cpu",
+            data_parallel_random_init=False,
+        )
+        if not cfg.init_from_scratch:
+            self.bridge.load_weights(self.model, cfg.path)
+        if mcfg.enable_fp32_lm_head and self._is_last_stage:
+            for chunk in self.model:
+                head = getattr(_unwrap(chunk), "output_layer", None)
+                if head is not None:
+                    head.register_forward_pre_hook(_fp32_lm_head, with_kwargs=True)
+        if train:
+            self._build_optimizer()
+            self._total_steps = ft_spec.total_train_steps if ft_spec is not None else 1
+            self._apply_lr()
+        self._load_tokenizer()
+        logger.info(
+            "Megatron engine ready: %s on %d %s rank(s) (%s), compute %s",
+            cfg.path,
+            dist.get_world_size(),
+            self.device.type,
+            self.parallel,
+            cfg.dtype,
+        )
+
+    def _transformer_overrides(self) -> dict[str, Any]:
+        """TransformerConfig fields the engine sets on top of mbridge's mapping."""
+        cfg, mcfg = self.config, self.config.megatron
+        extra: dict[str, Any] = {
+            # fused kernels that need Apex / Transformer Engine / compiled extensions
+            "masked_softmax_fusion": False,
+            "bias_activation_fusion": False,
+            "bias_dropout_fusion": False,
+            "apply_rope_fusion": False,
+            "gradient_accumulation_fusion": False,
+            "persist_layer_norm": False,
+            # the local (non-Transformer-Engine) norms cannot split the sequence over TP
+            "sequence_parallel": False,
+            "deterministic_mode": mcfg.use_deterministic_algorithms,
+            "moe_token_dispatcher_type": mcfg.moe_token_dispatcher_type,
+            "moe_router_dtype": mcfg.moe_router_dtype,
+            "moe_router_bias_update_rate": mcfg.moe_router_bias_update_rate,
+            "moe_z_loss_coeff": mcfg.moe_z_loss_coeff,
+            "moe_grouped_gemm": False,
+        }
+        if self.device.type == "cpu":
+            extra["use_cpu_initialization"] = True
+        if cfg.disable_dropout:
+            extra.update(attention_dropout=0.0, hidden_dropout=0.0)
+        if cfg.gradient_checkpointing and mcfg.recompute_granularity:
+            extra.update(
+                recompute_granularity=mcfg.recompute_granularity,
+                recompute_method=mcfg.recompute_method
+                if mcfg.recompute_granularity == "full"
+                else None,
+                recompute_num_layers=mcfg.recompute_num_layers
+                if mcfg.recompute_granularity == "full"
+                else None,
+            )
+            if mcfg.recompute_modules:
+                extra["recompute_modules"] = list(mcfg.recompute_modules)
+        return extra
+
+    def _build_optimizer(self) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        opt, cfg, mcfg = self.config.optimizer, self.config, self.config.megatron
+        if opt.type not in ("adam", "sgd"):
+            raise ValueError(
+                f"optimizer.type {opt.type!r} is not supported by the Megatron engine; "
+                "use adam or sgd"
+            )
+        if opt.type == "sgd" and mcfg.ddp.use_distributed_optimizer:
+            raise ValueError(
+                "optimizer.type sgd: Megatron's distributed optimizer supports Adam only; "
+                "use adam or set megatron.ddp.use_distributed_optimizer: false"
+            )
+        dtype = to_dtype(cfg.dtype)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=opt.type,
+                lr=opt.lr,
+                min_lr=opt.lr * opt.min_lr_ratio,
+                weight_decay=opt.weight_decay,
+                adam_beta1=opt.beta1,
+                adam_beta2=opt.beta2,
+                adam_eps=opt.eps,
+                sgd_momentum=0.0,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                params_dtype=dtype,
+                initial_loss_scale=opt.initial_loss_scale,
+                min_loss_scale=opt.min_loss_scale,
+                loss_scale_window=opt.loss_scale_window,
+                hysteresis=opt.hysteresis,
+                clip_grad=opt.gradient_clipping,
+                use_distributed_optimizer=mcfg.ddp.use_distributed_optimizer,
+                use_precision_aware_optimizer=mcfg.use_precision_aware_optimizer,
+            ),
+            self.model,
+        )
+        from megatron.core.distributed import finalize_model_grads
+        from megatron.core.utils import get_model_config
+
+        model_config = get_model_config(self.model[0])
+        model_config.finalize_model_grads_func = finalize_model_grads
+        model_config.grad_scale_func = self.optimizer.scale_loss
+        no_sync = [chunk.no_sync for chunk in self.model]
+        model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+
+    def _load_tokenizer(self) -> None:
+        from transformers import AutoTokenizer
+
+        with contextlib.suppress(Exception):  # a weights-only directory is fine for training
+            self.tokenizer = AutoTokenizer.from_pretrained(self.config.path)
+
+    def destroy(self) -> None:
+        from megatron.core import parallel_state
+
+        self.model, self.optimizer, self.bridge = [], None, None
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        self._groups_ready = False
+        if self._own_process_group and dist.is_initialized():
+            dist.destroy_process_group()
+            self._own_process_group = False
+
+    def train(self, mode: bool = True) -> MegatronEngine:
+        assert self.model, "initialize() the engine first"
+        for chunk in self.model:
+            chunk.train(mode)
+        self._training = mode
+        return self
+
+    # --- forward ---
+
+    def _micro_batches(self, input_: dict[str, Any]):
+        batch = {
+            k: v.to(self.device) if isinstance(v, torch.Tensor) else v for k, v in input_.items()
+        }
+        # sequence parallelism splits every stream over the TP ranks
+        multiple = math.lcm(64, self.parallel.tp_size)
+        return split_padded_tensor_dict_into_mb_list(
+            batch, self.config.mb_spec, group=self._cpu_group, pad_to_multiple=multiple
+        )
+
+    def _run_schedule(self, mbs: list[dict[str, Any]], loss_of, forward_only: bool) -> list:
+        """Megatron's pipeline schedule over packed micro-batches.
+
+        ``loss_of(mb, logp, entropy) -> (scaled_loss, report)`` runs on the last pipeline
+        stage; returns the ``report`` dicts of the micro-batches there (empty elsewhere).
+        """
+        from megatron.core.packed_seq_params import PackedSeqParams
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        temperature = float(self.config.temperature)
+        tp_group = self._tp_group
+
+        def forward_step(data_iterator, model):
+            mb = next(data_iterator)
+            cu = mb["cu_seqlens"].to(torch.int32)
+            seqlen = int(mb["max_seqlen"])
+            packed = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=seqlen,
+                max_seqlen_kv=seqlen,
+            )
+            output = model(
+                input_ids=mb["input_ids"],
+                position_ids=mb["position_ids"],
+                attention_mask=None,
+                packed_seq_params=packed,
+            )
+
+            def loss_func(logits: torch.Tensor):
+                labels = next_token_labels(mb["input_ids"][0], cu)
+                logp, entropy = vocab_parallel_logprobs(logits[0], labels, tp_group, temperature)
+                return loss_of(mb, logp, entropy)
+
+            return output, loss_func
+
+        n_chunks = len(self.model)
+        iterators = [iter(mbs) for _ in range(n_chunks)]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if n_chunks > 1 else iterators[0],
+            model=self.model if n_chunks > 1 else self.model[0],
+            num_microbatches=len(mbs),
+            seq_length=max(int(mb["input_ids"].shape[-1]) for mb in mbs),
+            micro_batch_size=1,
+            forward_only=forward_only,
+        )
+
+    def _broadcast_from_last_stage(self, tensor: torch.Tensor | None, shape, dtype):
+        from megatron.core import parallel_state
+
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return tensor
+        if tensor is None:
+            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        tensor = tensor.to(self.device)
+        dist.broadcast(
+            tensor,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return tensor
+
+    @torch.no_grad()
+    def forward_batch(self, input_: dict[str, Any], **kwargs: Any) -> torch.Tensor:
+        """Per-token log-probs ``[B, L]``: position ``t`` scores token ``t + 1`` (0 at the
+        last real position and on padding); the same on every rank."""
+        was_training = self._training
+        self.train(False)
+        try:
+            mb_list = self._micro_batches(input_)
+            reports = self._run_schedule(
+                mb_list.mbs,
+                lambda mb, logp, entropy: (logp.sum() * 0.0, {"logp": logp.detach()}),
+                forward_only=True,
+            )
+            logp = None
+            if self._is_last_stage:
+                logp = mb_list.to_padded([r["logp"] for r in reports], pad_value=0.0)
+                logp = logp.to(torch.float32)
+            shape = tuple(input_["attention_mask"].shape)
+            logp = self._broadcast_from_last_stage(logp, shape, torch.float32)
+            has_next = torch.zeros_like(logp, dtype=torch.bool)
+            has_next[:, :-1] = input_["attention_mask"][:, 1:].to(logp.device)
+            return logp * has_next  # the last real token scores nothing
+        finally:
+            self.train(was_training)
+
+    # --- training ---
+
+    def _global_weight(self, weights: list[float]) -> float:
+        # every rank of a model-parallel group holds the same data: sum over all, divide
+        total = torch.tensor([sum(weights)], dtype=torch.float64)
+        dist.all_reduce(total, group=self._cpu_group)
+        return float(total.item()) * self.data_parallel_world_size / dist.get_world_size()
+
+    def _reported_sum(self, value: float) -> float:
+        """Sum of ``value`` over the reporting ranks (one per DP replica), on every rank."""
+        mine = value if dist.get_rank() in self._reporters else 0.0
+        total = torch.tensor([mine], dtype=torch.float64)
+        dist.all_reduce(total, group=self._cpu_group)
+        return float(total.item())
+
+    def train_batch(
+        self, input_: dict[str, Any], loss_fn: LossFn, loss_weight_fn: WeightFn
+    ) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("this engine has no optimizer (actor.optimizer is null)")
+        self.train(True)
+        mb_list = self._micro_batches(input_)
+        weights = [float(loss_weight_fn(_flat(mb))) for mb in mb_list.mbs]
+        total = self._global_weight(weights)
+        self.optimizer_zero_grad()
+        if total <= 0:
+            logger.warning("train_batch: no trainable tokens in the global batch; step skipped")
+            return {"update_successful": 0.0, "grad_norm": 0.0, "lr": self._lr(), "loss": 0.0}
+        # the schedule divides each loss by the micro-batch count, DDP averages over DP
+        factor = self.data_parallel_world_size * len(mb_list.mbs) / total
+        weight_of = {id(mb): w for mb, w in zip(mb_list.mbs, weights, strict=True)}
+
+        def loss_of(mb, logp, entropy):
+            loss = loss_fn(logp, entropy, _flat(mb))
+            weight = weight_of[id(mb)]
+            return loss * (weight * factor), {"weighted": loss.detach() * (weight / total)}
+
+        reports = self._run_schedule(mb_list.mbs, loss_of, forward_only=False)
+        loss_sum = float(sum(float(r["weighted"]) for r in reports))
+        stats = self.optimizer_step()
+        return {
+            **stats,
+            "loss": self._reported_sum(loss_sum),
+            "num_micro_batches": len(weights),
+        }
+
+    @torch.no_grad()
+    def eval_batch(self, input_: dict[str, Any], loss_fn: LossFn, loss_weight_fn: WeightFn):
+        was_training = self._training
+        self.train(False)
+        try:
+            mb_list = self._micro_batches(input_)
+            weights = [float(loss_weight_fn(_flat(mb))) for mb in mb_list.mbs]
+            total = max(self._global_weight(weights), 1e-12)
+            weight_of = {id(mb): w for mb, w in zip(mb_list.mbs, weights, strict=True)}
+
+            def loss_of(mb, logp, entropy):
+                loss = loss_fn(logp, entropy, _flat(mb))
+                return loss.detach() * 0.0, {"weighted": loss.detach() * weight_of[id(mb)] / total}
+
+            reports = self._run_schedule(mb_list.mbs, loss_of, forward_only=True)
+            return self._reported_sum(float(sum(float(r["weighted"]) for r in reports)))
+        finally:
+            self.train(was_training)
+
+    def optimizer_zero_grad(self) -> None:
+        for chunk in self.model:
+            if hasattr(chunk, "zero_grad_buffer"):
+                chunk.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
+
+    def _lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"]) if self.optimizer else 0.0
+
+    def _apply_lr(self) -> None:
+        lr = self.config.optimizer.lr * lr_multiplier(
+            self._lr_step, self.config.optimizer, max(1, self._total_steps)
+        )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def optimizer_step(self) -> dict[str, float]:
+        if self.optimizer is None:
+            raise RuntimeError("this engine has no optimizer (actor.optimizer is null)")
+        found_inf = self.optimizer.prepare_grads()
+        grad_norm = float(self.optimizer.get_grad_norm())
+        if found_inf or not torch.isfinite(torch.tensor(grad_norm)):
+            self.optimizer_zero_grad()
+            logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
+            return {"update_successful": 0.0, "grad_norm": grad_norm, "lr": self._lr()}
+        clip = self.config.optimizer.gradient_clipping
+        if clip > 0:
+            self.optimizer.clip_grad_norm(clip)
+        ok = self.optimizer.step_with_ready_grads()
+        self.optimizer_zero_grad()
+        self._optimizer_steps = getattr(self, "_optimizer_steps", 0) + 1
+        return {
+            "update_successful": float(bool(ok)),
+            "grad_norm": grad_norm,
+            "lr": self._lr(),
+            "optimizer_steps": float(self._optimizer_steps),
+        }
+
+    def lr_scheduler_step(self) -> None:
+        if self.optimizer is not None:
+            self._lr_step += 1
+            self._apply_lr()
+
+    step_lr_scheduler = lr_scheduler_step
+
+    # --- versions ---
+
+    def set_version(self, version: int) -> None:
+        self._version = version
+
+    def get_version(self) -> int:
+        return self._version
+
+    # --- HF export ---
+
+    def _hf_tensors(self, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Full HF-named tensors, one at a time (a collective on every rank)."""
+        for name, tensor in self.bridge.export_weights(self.model):
+            yield name, tensor if dtype is None else tensor.to(dtype)
+
+    def hf_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """A copy of the whole model as an HF state dict on CPU, on every rank (collective)."""
+        return {name: t.detach().to("cpu", copy=True) for name, t in self._hf_tensors(dtype)}
+
+    def save(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format == "hf":
+            self._save_hf(meta.path, meta.tokenizer)
+        elif meta.weight_format == "dcp":
+            self._save_dcp(meta.path, meta.with_optim)
+        else:
+            raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+
+    def _save_hf(self, path: str, tokenizer: Any = None) -> None:
+        from safetensors.torch import save_file
+        from transformers import AutoConfig
+
+        rank0 = dist.get_rank() == 0
+        out = Path(path)
+        shards: list[dict[str, torch.Tensor]] = [{}]
+        size = 0
+        for name, tensor in self._hf_tensors(to_dtype(self.config.dtype)):
+            if not rank0:
+                continue
+            nbytes = tensor.numel() * tensor.element_size()
+            if size and size + nbytes > HF_SHARD_BYTES:
+                shards.append({})
+                size = 0
+            shards[-1][name] = tensor.detach().cpu().contiguous()
+            size += nbytes
+        if rank0:
+            out.mkdir(parents=True, exist_ok=True)
+            n = len(shards)
+            index: dict[str, str] = {}
+            for i, shard in enumerate(shards):
+                file = (
+                    "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                )
+                save_file(shard, str(out / file), metadata={"format": "pt"})
+                index.update(dict.fromkeys(shard, file))
+            if n > 1:
+                (out / "model.safetensors.index.json").write_text(
+                    json.dumps({"metadata": {}, "weight_map": index}, indent=2)
+                )
+            AutoConfig.from_pretrained(self.config.path).save_pretrained(out)
+            with contextlib.suppress(Exception):
+                from transformers import GenerationConfig
+
+                GenerationConfig.from_pretrained(self.config.path).save_pretrained(out)
+            tokenizer = tokenizer or self.tokenizer
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out)
+        dist.barrier(group=self._cpu_group)
+
+    def _load_hf(self, path: str) -> None:
+        self.bridge.load_weights(self.model, path)
+        if self.optimizer is not None:  # main (fp32) params follow the new model params
+            self.optimizer.reload_model_params()
+
+    # --- distributed checkpoint (recover) ---
+
+    def _sharded_state(self, with_optim: bool, is_loading: bool) -> dict[str, Any]:
+        model_state: dict[str, Any] = {}
+        for i, chunk in enumerate(self.model):
+            key = "model" if len(self.model) == 1 else f"model{i}"
+            model_state[key] = _unwrap(chunk).sharded_state_dict()
+        state = dict(model_state)
+        if with_optim and self.optimizer is not None:
+            flat = {}
+            for chunk_state in model_state.values():
+                flat.update(chunk_state)
+            # loading initializes empty optimizer state first, where the optimizer knows how
+            # (Megatron has no state initializer for SGD, whose state may stay empty)
+            parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            can_init = all(getattr(part, "init_state_fn", None) for part in parts)
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                flat, is_loading=is_loading and can_init
+            )
+        return state
+
+    def _save_dcp(self, path: str, with_optim: bool) -> None:
+        from megatron.core import dist_checkpointing
+
+        Path(path).mkdir(parents=True, exist_ok=True)
+        dist.barrier(group=self._cpu_group)
+        dist_checkpointing.save(self._sharded_state(with_optim, is_loading=False), path)
+        extra = {
+            "version": self._version,
+            "rng": _rng_state(),
+            "lr_step": self._lr_step,
+            "optimizer_steps": getattr(self, "_optimizer_steps", 0),
+        }
+        torch.save(extra, Path(path) / EXTRA_STATE.format(rank=dist.get_rank()))
+        dist.barrier(group=self._cpu_group)
+
+    def load(self, meta: SaveLoadMeta) -> None:
+        if meta.weight_format == "dcp":
+            self._load_dcp(meta.path, meta.with_optim)
+        elif meta.weight_format == "hf":
+            self._load_hf(meta.path)
+        else:
+            raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
+
+    def _load_dcp(self, path: str, with_optim: bool) -> None:
+        from megatron.core import dist_checkpointing
+
+        with_optim = with_optim and self.optimizer is not None
+        state = dist_checkpointing.load(self._sharded_state(with_optim, is_loading=True), path)
+        for i, chunk in enumerate(self.model):
+            _unwrap(chunk).load_state_dict(state["model" if len(self.model) == 1 else f"model{i}"])
+        if with_optim:
+            self.optimizer.load_state_dict(state["optimizer"])
+        elif self.optimizer is not None:
+            self.optimizer.reload_model_params()
+        extra_file = Path(path) / EXTRA_STATE.format(rank=dist.get_rank())
+        if extra_file.exists():
+            extra = torch.load(extra_file, weights_only=False)
+            self._version = extra.get("version", self._version)
+            _set_rng_state(extra["rng"])
+            self._lr_step = extra.get("lr_step", self._lr_step)
+            self._optimizer_steps = extra.get("optimizer_steps", 0)
+            if self.optimizer is not None:
+                self._apply_lr()
+        dist.barrier(group=self._cpu_group)
+
+    # --- weight sync ---
+
+    def connect_engine(self, rollout_engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        self.rollout_engine = rollout_engine
+        if meta.type == "xccl":
+            if dist.get_rank() == 0:
+                if not meta.nccl_master_address or meta.nccl_master_address == "127.0.0.1":
+                    meta.nccl_master_address = gethostip()
+                meta.nccl_master_port = find_free_port()
+                joined = self.rollout_engine.init_weights_update_group(meta)
+                self._weight_group = _join_weight_group(meta, joined)
+            dist.barrier(group=self._cpu_group)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        if self.rollout_engine is None:
+            raise RuntimeError("connect_engine() the rollout engine before update_weights()")
+        if meta.type == "disk":
+            self._update_weights_from_disk(meta)
+        elif meta.type == "xccl":
+            self._update_weights_from_distributed(meta)
+        else:
+            raise ValueError(f"weight update type {meta.type!r} is not supported; disk or xccl")
+
+    def _update_weights_from_disk(self, meta: WeightUpdateMeta) -> None:
+        version = self._version if meta.version is None else meta.version
+        meta = dataclasses.replace(meta, version=version)
+        if meta.path is None:
+            raise ValueError("a disk weight update needs WeightUpdateMeta.path")
+        rank0 = dist.get_rank() == 0
+        loaded = None
+        if rank0:
+            self.rollout_engine.pause_generation()
+            loaded = self.rollout_engine.update_weights_from_disk(meta)
+        self._save_hf(meta.path)
+        if rank0:
+            exp, trial = _experiment(self.rollout_engine)
+            if exp and trial:
+                name_resolve.add(
+                    names.update_weights_from_disk(exp, trial, version),
+                    str(time.time()),
+                    replace=True,
+                )
+            loaded.result()
+            self.rollout_engine.continue_generation()
+        dist.barrier(group=self._cpu_group)
+
+    def _update_weights_from_distributed(self, meta: WeightUpdateMeta) -> None:
+        from areal.utils.nccl_group import broadcast
+
+        rank0 = dist.get_rank() == 0
+        budget = meta.weight_chunked_mem_mb * 1024 * 1024
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        if rank0:
+            self.rollout_engine.pause_generation()
+
+        def flush() -> None:
+            nonlocal bucket, size
+            if rank0 and bucket:
+                specs = [
+                    ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                    for n, t in bucket
+                ]
+                received = self.rollout_engine.update_weights_from_distributed(meta, specs)
+                for _, tensor in bucket:
+                    broadcast(self._weight_group, tensor, src=0)
+                received.result()
+            bucket, size = [], 0
+
+        # every rank takes part in the bridge's TP/PP/EP gathers; rank 0 sends
+        for name, tensor in self._hf_tensors(to_dtype(self.config.dtype)):
+            if not rank0:
+                continue
+            tensor = tensor.to(self.device).contiguous()
+            if size and size + tensor.numel() * tensor.element_size() > budget:
+                flush()
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+        flush()
+        if rank0:
+            self.rollout_engine.continue_generation()
+        dist.barrier(group=self._cpu_group)
+
+    # --- housekeeping ---
+
+    def export_stats(self) -> dict[str, float]:
+        """Statistics reduced over the data-parallel replicas, the same on every rank.
+
+        Loss statistics exist only on the last pipeline stage and repeat on every TP rank,
+        so one rank per replica reduces them and the result is broadcast.
+        """
+        from areal.utils import stats_tracker
+
+        if dist.get_rank() in self._reporters:
+            stats = stats_tracker.export_all(reduce_group=self._reporter_group)
+        else:
+            stats_tracker.export_all()  # drop the duplicates
+            stats = None
+        box = [stats]
+        dist.broadcast_object_list(box, src=self._reporters[0], group=self._cpu_group)
+        return box[0]
+
+    def get_device_stats(self) -> dict[str, float]:
+        if self.device.type != "cuda":
+            return {}
+        return {
+            "allocated_gb": torch.cuda.memory_allocated() / 2**30,
+            "max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
+        }
+
+
+def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
+    """The ``GPTModel`` inside DDP / Float16Module wrappers."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module

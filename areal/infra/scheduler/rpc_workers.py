@@ -1,0 +1,657 @@
+"""What every scheduler shares: workers are RPC servers found through name resolution.
+
+A concrete scheduler (local subprocesses, Slurm jobs) only decides how a role's worker
+processes start, whether they still run, and how they stop. Everything else lives here
+and behaves the same on every backend (§10.1):
+
+* roles and worker ids (``<role>/<index>``), colocation as a fork or as an alias,
+* discovery: each worker registers ``"<ip>:<port>"`` under
+  :func:`areal.utils.names.worker`; the scheduler health-checks it, reserves its extra
+  ports and sends ``/configure``,
+* forking one new worker per target worker through the target's ``/fork``,
+* engine creation and calls (with the liveness check of the backend),
+* teardown: engines destroyed over RPC, dependents first, and an ``atexit`` and
+  SIGINT/SIGTERM hook that stops whatever the controller started.
+
+The experiment's RPC token (``$AREAL_RPC_TOKEN`` if the controller has one, otherwise a
+fresh random one) is held as a :class:`~areal.utils.secrets.SecretStr`; how it reaches
+the workers is the backend's business, but never through a command line.
+"""
+
+from __future__ import annotations
+
+import abc
+import atexit
+import concurrent.futures
+import os
+import secrets
+import shlex
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from areal.api.cli_args import SchedulingSpec
+from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Scheduler, Worker
+from areal.infra.rpc.client import RPCClient
+from areal.infra.rpc.processes import LoggedProcess
+from areal.infra.rpc.serialization import SerializationError
+from areal.infra.scheduler.exceptions import (
+    RPCConnectionError,
+    SchedulerError,
+    WorkerConfigurationError,
+    WorkerCreationError,
+    WorkerNotFoundError,
+    WorkerTimeoutError,
+)
+from areal.utils import logging, name_resolve, names
+from areal.utils.config_utils import redact_sensitive_config
+from areal.utils.paths import get_log_path
+from areal.utils.secrets import SecretStr
+
+__all__ = [
+    "FORK_HEALTH_TIMEOUT",
+    "RPC_SERVER_MODULE",
+    "RPCWorkerScheduler",
+    "WorkerHandle",
+    "WorkerRole",
+    "controller_python_path",
+    "module_of",
+    "parallel",
+]
+
+logger = logging.getLogger("scheduler")
+
+RPC_SERVER_MODULE = "areal.infra.rpc.rpc_server"
+FORK_HEALTH_TIMEOUT = 60.0
+
+
+@dataclass
+class WorkerHandle:
+    """What a scheduler knows about one worker id."""
+
+    id: str
+    role: str
+    index: int
+    process: LoggedProcess | None = None  # a local subprocess of the controller
+    pid: int | None = None  # forked on another worker (its parent is parent_id)
+    parent_id: str | None = None
+    alias_of: str | None = None  # shares the process of this worker id
+    gpus: list[str] = field(default_factory=list)
+    client: RPCClient | None = None
+    worker: Worker | None = None
+    engines: list[str] = field(default_factory=list)
+
+
+@dataclass
+class WorkerRole:
+    """A role's workers: ``process`` (started by the backend), ``forked`` or ``alias``."""
+
+    name: str
+    kind: Literal["process", "forked", "alias"]
+    worker_ids: list[str]
+    spec: SchedulingSpec
+    target: str | None = None
+    ready: list[Worker] | None = None
+
+
+class RPCWorkerScheduler(Scheduler):
+    """A :class:`Scheduler` minus the backend: subclasses start, check and stop processes.
+
+    ``exp_config`` is the experiment config (``experiment_name``, ``trial_name``,
+    ``cluster``, ``seed``). ``startup_timeout`` bounds :meth:`get_workers`,
+    ``stop_grace`` the wait between SIGTERM and SIGKILL, ``destroy_timeout`` each
+    engine's ``destroy`` RPC at teardown.
+    """
+
+    #: how the backend is named in messages ("local scheduler", "Slurm scheduler")
+    backend_name = "scheduler"
+    #: what ``cluster.name_resolve.nfs_record_root`` must be for this backend
+    record_root_hint = "any local directory works"
+    #: seconds between discovery rounds in :meth:`get_workers`
+    poll_interval = 0.1
+
+    def __init__(
+        self,
+        exp_config: Any,
+        *,
+        startup_timeout: float = 300.0,
+        stop_grace: float = 10.0,
+        destroy_timeout: float = 30.0,
+    ):
+        self.config = exp_config
+        self.experiment_name: str = exp_config.experiment_name
+        self.trial_name: str = exp_config.trial_name
+        cluster = exp_config.cluster
+        self.fileroot: str = cluster.fileroot
+        self._name_resolve = cluster.name_resolve
+        if self._name_resolve.type != "nfs":
+            raise SchedulerError(
+                f"cluster.name_resolve.type {self._name_resolve.type!r}: the "
+                f"{self.backend_name} discovers workers through 'nfs' records "
+                f"({self.record_root_hint})"
+            )
+        self.startup_timeout = startup_timeout
+        self.stop_grace = stop_grace
+        self.destroy_timeout = destroy_timeout
+        self._token = SecretStr(os.environ.get(RPC_TOKEN_ENV) or secrets.token_urlsafe(32))
+        logging.register_secret(self._token)
+        self._roles: dict[str, WorkerRole] = {}
+        self._handles: dict[str, WorkerHandle] = {}
+        self._lock = threading.RLock()
+
+        name_resolve.reconfigure(self._name_resolve)
+        name_resolve.clear_subtree(names.trial_root(self.experiment_name, self.trial_name))
+        self.log_dir = get_log_path(self.fileroot, self.experiment_name, self.trial_name)
+        _teardown.register(self)
+
+    # --- what a backend provides ---
+
+    @abc.abstractmethod
+    def _start_role(
+        self, role: str, specs: list[SchedulingSpec], colocate_with: WorkerRole | None
+    ) -> list[str]:
+        """Start one process per spec (on ``colocate_with``'s devices or nodes if given),
+        register the role with :meth:`_register_role`, and return the worker ids."""
+
+    @abc.abstractmethod
+    def _check_started(self, h: WorkerHandle) -> None:
+        """Raise ``WorkerFailedError`` when the process behind ``h`` is gone."""
+
+    @abc.abstractmethod
+    def _stop_started(self, r: WorkerRole, handles: list[WorkerHandle]) -> None:
+        """Stop the processes of a ``process`` role (engines are already destroyed)."""
+
+    @abc.abstractmethod
+    def _emergency_stop(self) -> None:
+        """Stop everything at once (controller exit or signal): no RPCs, no threads."""
+
+    def _check_forked(self, h: WorkerHandle) -> None:
+        """A forked worker lives on its parent's node; by default, check the parent."""
+        if h.parent_id is not None and h.parent_id in self._handles:
+            self._check_alive(self._handles[h.parent_id])
+
+    def _kill_forked(self, h: WorkerHandle) -> None:
+        """Last resort after the parent's ``/kill_forked_worker`` (default: nothing)."""
+
+    def _fork_interpreter(self, target: WorkerRole) -> str:
+        """The Python that runs a forked worker next to ``target``'s workers."""
+        return sys.executable
+
+    def _pending_hint(self, r: WorkerRole) -> str:
+        """Extra words for a discovery timeout (e.g. a job still queued)."""
+        return ""
+
+    def _after_teardown(self) -> None:
+        """Runs once every role is deleted."""
+
+    # --- public helpers ---
+
+    @property
+    def n_gpus_per_node(self) -> int:
+        return self.config.cluster.n_gpus_per_node
+
+    @property
+    def rpc_token(self) -> SecretStr:
+        """The token workers expect (for controller-side servers that workers call back)."""
+        return self._token
+
+    def __enter__(self) -> RPCWorkerScheduler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.delete_workers()
+
+    # --- creating workers ---
+
+    def create_workers(self, job: Job) -> list[str]:
+        role = job.role
+        self._check_new_role(role)
+        if job.replicas < 1:
+            raise WorkerCreationError(f"role {role!r}: replicas must be >= 1 (got {job.replicas})")
+        specs = self._specs(job)
+        strategy = job.scheduling_strategy
+        if strategy is not None and strategy.type == "colocation":
+            target = self._role(strategy.target)
+            if job.replicas == len(target.worker_ids):
+                if strategy.fork:
+                    return self.fork_workers(role, target.name, module_of(specs[0].cmd))
+                return self._alias(role, target)
+            # a different replica count: new processes on the target's devices or nodes
+            return self._start_role(role, specs, colocate_with=target)
+        return self._start_role(role, specs, colocate_with=None)
+
+    def _check_new_role(self, role: str) -> None:
+        if not role or ":" in role or "/" in role:
+            raise WorkerCreationError(f"invalid role name {role!r}: no ':' or '/' allowed")
+        with self._lock:
+            if role in self._roles:
+                raise WorkerCreationError(f"role {role!r} already has workers")
+
+    @staticmethod
+    def _specs(job: Job) -> list[SchedulingSpec]:
+        tasks = list(job.tasks) or [SchedulingSpec()]
+        if len(tasks) == 1:
+            return tasks * job.replicas
+        if len(tasks) != job.replicas:
+            raise WorkerConfigurationError(
+                f"role {job.role!r}: {len(tasks)} scheduling specs for {job.replicas} replicas "
+                "(give one spec, or one per replica)"
+            )
+        return tasks
+
+    def _role(self, name: str | None) -> WorkerRole:
+        with self._lock:
+            role = self._roles.get(name or "")
+        if role is None:
+            raise WorkerNotFoundError(f"no role {name!r} (known: {sorted(self._roles)})")
+        return role
+
+    def _register_role(self, r: WorkerRole, handles: list[WorkerHandle]) -> None:
+        with self._lock:
+            for h in handles:
+                self._handles[h.id] = h
+            self._roles[r.name] = r
+
+    @staticmethod
+    def _check_worker_cmd(cmd: list[str], role: str) -> None:
+        if not cmd:
+            raise WorkerConfigurationError(f"role {role!r}: scheduling spec cmd is empty")
+        if any(a == "--port" or a.startswith("--port=") for a in cmd):
+            raise WorkerConfigurationError(
+                f"role {role!r}: remove --port from the scheduling spec cmd; the scheduler "
+                "lets each worker pick a free port and discovers it"
+            )
+
+    def _identity_flags(self, role: str, index: int | None) -> list[str]:
+        """The RPC server's naming flags (``index`` None: the worker reads $SLURM_PROCID)."""
+        flags = ["--experiment-name", self.experiment_name, "--trial-name", self.trial_name]
+        flags += ["--role", role]
+        if index is not None:
+            flags += ["--worker-index", str(index)]
+        return [
+            *flags,
+            "--name-resolve-type",
+            self._name_resolve.type,
+            "--nfs-record-root",
+            self._name_resolve.nfs_record_root,
+            "--fileroot",
+            self.fileroot,
+        ]
+
+    # --- discovery ---
+
+    def get_workers(self, role: str, timeout: float | None = None) -> list[Worker]:
+        r = self._role(role)
+        if r.ready is not None:
+            return list(r.ready)
+        if r.kind == "alias":
+            targets = self.get_workers(r.target, timeout)
+            r.ready = [
+                Worker(wid, t.ip, list(t.worker_ports), list(t.engine_ports))
+                for wid, t in zip(r.worker_ids, targets)
+            ]
+            return list(r.ready)
+        timeout = timeout if timeout is not None else self.startup_timeout
+        deadline = time.monotonic() + timeout
+        pending = list(r.worker_ids)
+        while pending:
+            for worker_id in list(pending):
+                if self._discover(self._handles[worker_id]):
+                    pending.remove(worker_id)
+            if pending:
+                if time.monotonic() > deadline:
+                    raise WorkerTimeoutError(
+                        f"workers {pending} were not up after {timeout:.0f}s"
+                        f"{self._pending_hint(r)}; see {self.log_dir / (role + '.log')}"
+                    )
+                time.sleep(self.poll_interval)
+        extra_ports = r.spec.port_count - 1
+        handles = [self._handles[wid] for wid in r.worker_ids]
+        workers = parallel(lambda h: self._finish_worker(h, extra_ports), handles)
+        r.ready = workers
+        return list(workers)
+
+    def _discover(self, h: WorkerHandle) -> bool:
+        """Whether ``h`` has registered and answers ``/health`` (raises if it died)."""
+        self._check_alive(h)
+        key = names.worker(self.experiment_name, self.trial_name, h.role, h.index)
+        try:
+            address = name_resolve.get(key)
+        except name_resolve.NameEntryNotFoundError:
+            return False
+        client = self._make_client(h, address)
+        try:
+            client.health(timeout=2.0)
+        except RPCConnectionError:
+            client.close()
+            return False
+        h.client = client
+        return True
+
+    def _make_client(self, h: WorkerHandle, address: str) -> RPCClient:
+        return RPCClient(
+            address, token=self._token, worker_id=h.id, liveness_check=lambda: self._check_alive(h)
+        )
+
+    def _finish_worker(self, h: WorkerHandle, extra_ports: int) -> Worker:
+        """Reserve the extra ports and configure the worker; its ``Worker`` record."""
+        assert h.client is not None
+        ip, port = h.client.address.rsplit(":", 1)
+        extra = [str(p) for p in h.client.alloc_ports(extra_ports)] if extra_ports > 0 else []
+        try:
+            h.client.configure(self.config, h.role, h.index)
+        except SerializationError:
+            # a config class outside the allowlisted packages: send its fields as a dict
+            h.client.configure(redact_sensitive_config(self.config), h.role, h.index)
+        h.worker = Worker(h.id, ip, [port, *extra], extra)
+        return h.worker
+
+    def _check_alive(self, h: WorkerHandle) -> None:
+        if h.alias_of is not None:
+            self._check_alive(self._handles[h.alias_of])
+        elif h.parent_id is not None:
+            self._check_forked(h)
+        else:
+            self._check_started(h)
+
+    def _alias(self, role: str, target: WorkerRole) -> list[str]:
+        ids = [f"{role}/{i}" for i in range(len(target.worker_ids))]
+        handles = [
+            WorkerHandle(wid, role, i, alias_of=target_id)
+            for i, (wid, target_id) in enumerate(zip(ids, target.worker_ids))
+        ]
+        self._register_role(
+            WorkerRole(role, "alias", ids, target.spec, target=target.name), handles
+        )
+        return ids
+
+    # --- forking ---
+
+    def fork_workers(self, role: str, target_role: str, command: str | None = None) -> list[str]:
+        self._check_new_role(role)
+        target = self._role(target_role)
+        target_workers = self.get_workers(target_role)
+        module = command or RPC_SERVER_MODULE
+        python = self._fork_interpreter(target)
+        forked: list[WorkerHandle] = []
+        try:
+            for index, tw in enumerate(target_workers):
+                parent = self._client_of(tw.id)
+                port = parent.alloc_ports(1)[0]
+                raw_cmd = [python, "-m", module, "--host", tw.ip, "--port", str(port)]
+                raw_cmd += self._identity_flags(role, index)
+                info = parent.fork(role, index, raw_cmd)
+                h = WorkerHandle(
+                    f"{role}/{index}", role, index, pid=int(info["pid"]), parent_id=tw.id
+                )
+                h.client = self._make_client(h, f"{tw.ip}:{port}")
+                forked.append(h)
+            parallel(self._wait_forked, forked)
+            n_extra = len(target_workers[0].engine_ports)
+            workers = parallel(lambda h: self._finish_worker(h, n_extra), forked)
+        except Exception:
+            parallel(self._stop_forked, forked)
+            raise
+        r = WorkerRole(role, "forked", [h.id for h in forked], target.spec, target_role, workers)
+        self._register_role(r, forked)
+        return [h.id for h in forked]
+
+    def _wait_forked(self, h: WorkerHandle) -> None:
+        deadline = time.monotonic() + FORK_HEALTH_TIMEOUT
+        while True:
+            self._check_alive(h)
+            try:
+                h.client.health(timeout=2.0)
+                return
+            except RPCConnectionError:
+                if time.monotonic() > deadline:
+                    raise WorkerTimeoutError(
+                        f"forked worker {h.id} not healthy after {FORK_HEALTH_TIMEOUT:.0f}s"
+                    ) from None
+                time.sleep(0.5)
+
+    def _stop_forked(self, h: WorkerHandle) -> None:
+        try:
+            self._client_of(h.parent_id).kill_forked_worker(h.role, h.index)
+        except (SchedulerError, KeyError) as e:
+            logger.debug("kill_forked_worker %s via its parent failed: %s", h.id, e)
+        self._kill_forked(h)
+
+    # --- engines ---
+
+    def _handle(self, worker_id: str) -> WorkerHandle:
+        with self._lock:
+            h = self._handles.get(worker_id)
+        if h is None:
+            raise WorkerNotFoundError(f"no worker {worker_id!r}")
+        return h
+
+    def _client_of(self, worker_id: str) -> RPCClient:
+        h = self._handle(worker_id)
+        if h.client is None and h.alias_of is not None:
+            target = self._handle(h.alias_of)
+            if target.client is None:
+                raise WorkerNotFoundError(f"worker {h.alias_of!r} is not discovered yet")
+            h.client = self._make_client(h, target.client.address)
+        if h.client is None:
+            raise WorkerNotFoundError(
+                f"worker {worker_id!r} is not discovered yet; call get_workers({h.role!r}) first"
+            )
+        return h.client
+
+    async def create_engine(
+        self, worker_id: str, engine: str, engine_name: str | None = None, *args, **kwargs
+    ) -> Any:
+        h = self._handle(worker_id)
+        name = await self._client_of(worker_id).async_create_engine(
+            engine, engine_name or worker_id, *args, **kwargs
+        )
+        h.engines.append(name)
+        return name
+
+    async def set_worker_env(self, worker_id: str, env: dict[str, str]) -> None:
+        await self._client_of(worker_id).async_set_env(env)
+
+    def call_engine(
+        self,
+        worker_id: str,
+        method: str,
+        *args: Any,
+        engine_name: str | None = None,
+        rpc_meta: dict[str, Any] | None = None,
+        http_timeout: float = 7200.0,
+        max_retries: int = 3,
+        retry_delay: float = 1.0,
+        **kwargs: Any,
+    ) -> Any:
+        result = self._client_of(worker_id).call_engine(
+            method,
+            *args,
+            engine_name=engine_name or worker_id,
+            rpc_meta=rpc_meta,
+            http_timeout=http_timeout,
+            max_retries=max_retries,
+            retry_delay=retry_delay,
+            **kwargs,
+        )
+        if method == "destroy":
+            self._forget_engine(worker_id, engine_name or worker_id)
+        return result
+
+    def _forget_engine(self, worker_id: str, engine_name: str) -> None:
+        """A destroyed engine is not destroyed again at teardown."""
+        h = self._handle(worker_id)
+        with self._lock:
+            if engine_name in h.engines:
+                h.engines.remove(engine_name)
+
+    async def async_call_engine(
+        self,
+        worker_id: str,
+        method: str,
+        *args: Any,
+        engine_name: str | None = None,
+        rpc_meta: dict[str, Any] | None = None,
+        http_timeout: float = 7200.0,
+        max_retries: int = 3,
+        retry_delay: float = 1.0,
+        **kwargs: Any,
+    ) -> Any:
+        return await self._client_of(worker_id).async_call_engine(
+            method,
+            *args,
+            engine_name=engine_name or worker_id,
+            rpc_meta=rpc_meta,
+            http_timeout=http_timeout,
+            max_retries=max_retries,
+            retry_delay=retry_delay,
+            **kwargs,
+        )
+
+    # --- teardown ---
+
+    def delete_workers(self, role: str | None = None, reverse_order: bool = False) -> None:
+        """Destroy engines over RPC, then stop processes; dependents of a role go first."""
+        with self._lock:
+            if role is None:
+                order = list(self._roles.values())
+                if reverse_order:
+                    order.reverse()
+            elif role in self._roles:
+                order = [r for r in self._roles.values() if r.target == role]
+                order.append(self._roles[role])
+            else:
+                logger.debug("delete_workers: no role %r", role)
+                return
+        order.sort(key=lambda r: r.kind == "process")  # forked and aliased roles first
+        for r in order:
+            self._delete_role(r)
+        if role is None:
+            _teardown.unregister(self)
+            self._after_teardown()
+
+    def _delete_role(self, r: WorkerRole) -> None:
+        handles = [self._handles[wid] for wid in r.worker_ids if wid in self._handles]
+        self._destroy_engines(handles)
+        if r.kind == "process":
+            self._stop_started(r, handles)
+        elif r.kind == "forked":
+            parallel(self._stop_forked, handles)
+        for h in handles:
+            if h.client is not None:
+                h.client.close()
+        name_resolve.clear_subtree(names.workers(self.experiment_name, self.trial_name, r.name))
+        with self._lock:
+            for h in handles:
+                self._handles.pop(h.id, None)
+            self._roles.pop(r.name, None)
+        logger.info("Stopped role %s (%d workers)", r.name, len(handles))
+
+    def _destroy_engines(self, handles: list[WorkerHandle]) -> None:
+        calls = []
+        for h in handles:
+            try:
+                self._check_alive(h)
+                client = self._client_of(h.id)
+            except SchedulerError:
+                continue  # dead or never discovered: nothing to destroy over RPC
+            calls.extend((client, name) for name in h.engines)
+        if not calls:
+            return
+
+        def destroy(call: tuple[RPCClient, str]) -> None:
+            client, name = call
+            try:
+                client.call_engine(
+                    "destroy", engine_name=name, http_timeout=self.destroy_timeout, max_retries=1
+                )
+            except SchedulerError as e:
+                logger.warning("destroy of engine %s failed: %s", name, e)
+
+        with concurrent.futures.ThreadPoolExecutor(min(32, len(calls))) as pool:
+            list(pool.map(destroy, calls))
+
+
+def parallel(fn: Any, items: list[Any]) -> list[Any]:
+    """``[fn(x) for x in items]`` on threads (worker RPCs are independent); first error wins."""
+    if len(items) <= 1:
+        return [fn(x) for x in items]
+    with concurrent.futures.ThreadPoolExecutor(min(32, len(items))) as pool:
+        return list(pool.map(fn, items))
+
+
+def module_of(cmd: str | None) -> str | None:
+    """The module of a ``python -m <module> ...`` command (None for the default)."""
+    if not cmd:
+        return None
+    parts = shlex.split(cmd)
+    if "-m" in parts and parts.index("-m") + 1 < len(parts):
+        return parts[parts.index("-m") + 1]
+    raise WorkerConfigurationError(
+        f"a forked worker runs 'python -m <module>'; cannot fork with cmd {cmd!r}"
+    )
+
+
+def controller_python_path() -> str:
+    """``PYTHONPATH`` for workers: the controller's cwd, its ``sys.path``, then the old value.
+
+    Workers can then import whatever the controller imports (example modules included).
+    """
+    original = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    paths = [os.getcwd(), *(p for p in sys.path if p), *original]
+    return os.pathsep.join(dict.fromkeys(paths))
+
+
+class _Teardown:
+    """Process-wide exit hooks: ``atexit`` plus SIGINT/SIGTERM handlers that chain on."""
+
+    def __init__(self) -> None:
+        self._live: set[RPCWorkerScheduler] = set()
+        self._lock = threading.Lock()
+        self._previous: dict[int, Any] = {}
+        self._atexit_registered = False
+
+    def register(self, scheduler: RPCWorkerScheduler) -> None:
+        with self._lock:
+            self._live.add(scheduler)
+            if not self._atexit_registered:
+                atexit.register(self.stop_all)
+                self._atexit_registered = True
+            if not self._previous and threading.current_thread() is threading.main_thread():
+                for sig in (signal.SIGINT, signal.SIGTERM):
+                    self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def unregister(self, scheduler: RPCWorkerScheduler) -> None:
+        with self._lock:
+            self._live.discard(scheduler)
+            in_main = threading.current_thread() is threading.main_thread()
+            if not self._live and self._previous and in_main:
+                for sig, handler in self._previous.items():
+                    signal.signal(sig, handler)
+                self._previous.clear()
+
+    def stop_all(self) -> None:
+        with self._lock:
+            live = list(self._live)
+            self._live.clear()
+        for scheduler in live:
+            scheduler._emergency_stop()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.stop_all()
+        previous = self._previous.get(signum)
+        with self._lock:
+            for sig, handler in self._previous.items():
+                signal.signal(sig, handler)
+            self._previous.clear()
+        if callable(previous):
+            previous(signum, frame)
+        elif previous in (signal.SIG_DFL, None):
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+
+_teardown = _Teardown()

@@ -1,0 +1,102 @@
+"""Run megatron-core and mbridge on CPU, for tests only.
+
+Both libraries assume CUDA in a few places (workspace buffers, the model-parallel RNG
+tracker, ``.cuda()`` after building a model). :func:`apply` replaces exactly those spots,
+as listed in the environment notes, and :func:`restore` undoes it; the engine itself never
+patches anything global. Everything the engine needs on a GPU machine without
+Transformer Engine (local layer spec, name mappings, ``rope_theta``) lives in the engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["apply", "cpu_megatron", "megatron_available", "restore"]
+
+_SAVED: list[tuple[Any, str, Any]] = []
+
+
+def megatron_available() -> tuple[bool, str]:
+    """Whether megatron-core and mbridge import here, and why not."""
+    try:
+        import mbridge  # noqa: F401
+        import megatron.core  # noqa: F401
+    except Exception as e:  # ImportError, or a broken install
+        return False, f"megatron-core / mbridge not importable: {e}"
+    return True, ""
+
+
+class _TorchOnCPU:
+    """``torch`` with ``device='cuda'`` factory arguments sent to the CPU."""
+
+    _FACTORIES = ("tensor", "zeros", "ones", "empty", "full")
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(torch, name)
+        if name not in self._FACTORIES:
+            return value
+
+        def on_cpu(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("device") in ("cuda", "cpu") or isinstance(kwargs.get("device"), int):
+                kwargs["device"] = "cpu"
+            return value(*args, **kwargs)
+
+        return on_cpu
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    _SAVED.append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def apply() -> None:
+    """Install the CPU replacements (idempotent)."""
+    if _SAVED:
+        return
+    from megatron.core import utils as mcore_utils
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
+        numel = 1
+        for dim in tensor_shape:
+            numel *= dim
+        buf = self.buffer.get((name, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = self.buffer[(name, dtype)] = torch.empty(numel, dtype=dtype)
+        return buf[:numel].view(*tensor_shape)
+
+    _patch(mcore_utils.GlobalMemoryBuffer, "get_tensor", get_tensor)
+    _patch(
+        mcore_random.CudaRNGStatesTracker,
+        "fork",
+        lambda self, name=None: contextlib.nullcontext(),
+    )
+    _patch(torch.nn.Module, "cuda", lambda self, device=None: self)
+    _patch(torch.cuda, "current_device", lambda: "cpu")
+    _patch(torch.cuda, "synchronize", lambda device=None: None)  # checkpoint writes
+    # the optimizer, gradient clipping and the schedules create small bookkeeping tensors on 'cuda'
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    for module in (clip_grads, mcore_optimizer, schedules, mcore_utils):
+        _patch(module, "torch", _TorchOnCPU())
+
+
+def restore() -> None:
+    while _SAVED:
+        owner, name, value = _SAVED.pop()
+        setattr(owner, name, value)
+
+
+@contextlib.contextmanager
+def cpu_megatron() -> Iterator[None]:
+    apply()
+    try:
+        yield
+    finally:
+        restore()
