@@ -124,3 +124,7 @@ def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from areal.utils.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-b"), seed=1)
+
+
+# One single-node Slurm cluster per session, for every module marked `slurm`.
+from tests.slurm_cluster import slurm_cluster  # noqa: E402, F401

@@ -150,7 +150,7 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
 """
 
 
-def start_cluster(root: Path, cpus: int = 8, memory_mb: int = 8000) -> SlurmCluster:
+def start_cluster(root: Path, cpus: int = 8, memory_mb: int = 40000) -> SlurmCluster:
     """Write the config under ``root``, start both daemons, wait for an idle node."""
     root.mkdir(parents=True, exist_ok=True)
     for sub in ("state", "spool"):

@@ -29,7 +29,7 @@ from areal.infra.rpc.processes import process_alive
 from areal.infra.scheduler.exceptions import WorkerCreationError, WorkerFailedError
 from areal.infra.scheduler.slurm import SlurmScheduler
 from areal.utils import name_resolve
-from tests.slurm_cluster import SlurmCluster, slurm_cluster  # noqa: F401 (fixture)
+from tests.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.slurm
 
@@ -55,7 +55,7 @@ def make_config(root: Path) -> BaseExperimentConfig:
 
 
 @pytest.fixture
-def scheduler(slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):  # noqa: F811
+def scheduler(slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.chdir(REPO_ROOT)  # workers import tests.* through the controller's cwd
     # a controller that already holds a token exports its environment to sbatch: the
     # scheduler must keep the token out of what Slurm stores with the job
@@ -111,7 +111,7 @@ def files_containing(root: Path, needle: bytes) -> list[Path]:
 
 def test_roles_fork_alias_container_flags_and_private_token(
     scheduler: SlurmScheduler,
-    slurm_cluster: SlurmCluster,  # noqa: F811
+    slurm_cluster: SlurmCluster,
     tmp_path: Path,
 ):
     image = tmp_path / "areal.sif"
@@ -237,7 +237,7 @@ def test_roles_fork_alias_container_flags_and_private_token(
 
 def test_colocation_with_other_replica_count_pins_the_nodes_and_a_cancelled_job_fails(
     scheduler: SlurmScheduler,
-    slurm_cluster: SlurmCluster,  # noqa: F811
+    slurm_cluster: SlurmCluster,
 ):
     spec = SchedulingSpec(cpu=1, mem=1, port_count=1, cmd=RPC_SERVER, container_type="none")
     scheduler.create_workers(Job("actor", 1, [spec]))
@@ -264,7 +264,7 @@ def test_colocation_with_other_replica_count_pins_the_nodes_and_a_cancelled_job_
 
 def test_impossible_requests_fail_fast_with_the_job_and_the_reason(
     scheduler: SlurmScheduler,
-    slurm_cluster: SlurmCluster,  # noqa: F811
+    slurm_cluster: SlurmCluster,
 ):
     # Slurm accepts this job and would leave it PENDING (PartitionConfig) forever
     too_many_cpus = SchedulingSpec(cpu=2 * slurm_cluster.cpus, mem=1, container_type="none")

@@ -64,6 +64,7 @@ from areal.infra.scheduler.slurm_batch import (
 )
 from areal.utils import logging
 from areal.utils.lifeline import PARENT_PID_ENV
+from areal.utils.logging import SECRET_ENV_VARS
 from areal.utils.paths import get_user
 
 __all__ = ["CONTAINER_BIN_ENV", "JobStatus", "SlurmScheduler", "capacity_problem"]
@@ -415,8 +416,15 @@ class SlurmScheduler(RPCWorkerScheduler):
     def _slurm(
         *args: str, check: bool = True, timeout: float = 30.0
     ) -> subprocess.CompletedProcess:
-        """Run a Slurm client with the submit environment, minus what workers must not get."""
-        env = {k: v for k, v in os.environ.items() if k not in (RPC_TOKEN_ENV, PARENT_PID_ENV)}
+        """Run a Slurm client with the submit environment, minus what workers must not get.
+
+        sbatch stores the exported environment with the job (readable by Slurm admins), so
+        secrets never travel this way: the RPC token goes through a mode-0600 file, and
+        credentials (``SECRET_ENV_VARS``: Arena tokens, the proxy admin key...) are sourced
+        by the workers from ``$ARENA_CREDENTIALS_FILE`` (``additional_bash_cmds``).
+        """
+        withheld = {RPC_TOKEN_ENV, PARENT_PID_ENV, *SECRET_ENV_VARS}
+        env = {k: v for k, v in os.environ.items() if k not in withheld}
         try:
             result = subprocess.run(
                 list(args),
