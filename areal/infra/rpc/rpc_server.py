@@ -439,12 +439,13 @@ class WorkerServer:
     ) -> tuple[Any, bool]:
         """Runs on the engine thread: the optional DP-head broadcast, then the call."""
         train = _is_initialized_train_engine(engine)
+        head = not train or engine.is_data_parallel_head()  # asked before: destroy() drops groups
         if train and rpc_meta.get("broadcast", True) is not False:
             args, kwargs = broadcast_from_head(engine, tuple(args), kwargs)
         result = fn(*args, **kwargs)
         if inspect.iscoroutine(result):
             result = self.engine_thread.run_coroutine(result)
-        return result, (not train or engine.is_data_parallel_head())
+        return result, head
 
     # --- shutdown ---
 

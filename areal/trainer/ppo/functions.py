@@ -99,8 +99,15 @@ def _segments(
 
 
 def _all_reduce_sum(t: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    """Sum over ``group``; a CPU tensor visits the GPU when the group is NCCL-only."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return t
+    if dist.get_backend(group) == "nccl" and t.device.type != "cuda":
+        on_gpu = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_gpu, op=dist.ReduceOp.SUM, group=group)
+        t.copy_(on_gpu)
+        return t
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
     return t
 
 
