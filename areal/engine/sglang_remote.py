@@ -498,6 +498,9 @@ class RemoteInfEngine(InferenceEngine):
     ) -> Any:
         return self._executor().wait_for_task(task_id, timeout=timeout, raise_timeout=raise_timeout)
 
+    def poll_task(self, task_id: int) -> tuple[bool, Any]:
+        return self._executor().poll_task(task_id)
+
     def rollout_batch(
         self,
         data: list[Any],

@@ -279,6 +279,14 @@ class WorkflowExecutor:
         random.shuffle(chosen)
         return [r.trajectory for r in chosen]
 
+    def poll_task(self, task_id: int) -> tuple[bool, Any]:
+        """``(finished, trajectory)`` without waiting; a finished task's result is handed
+        out once (``trajectory`` is ``None`` when it was rejected)."""
+        self._check()
+        with self._cond:
+            result = self._results.pop(task_id, None)
+        return (False, None) if result is None else (True, result.trajectory)
+
     def wait_for_task(
         self, task_id: int, timeout: float | None = None, raise_timeout: bool = True
     ) -> Any:

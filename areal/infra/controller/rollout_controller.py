@@ -41,7 +41,6 @@ __all__ = ["RolloutController", "merge_worker_stats"]
 logger = logging.getLogger("rollout.controller")
 
 ENGINE_CLASS = "areal.engine.sglang_remote.RemoteSGLangEngine"
-FETCH_TIMEOUT = 1.0
 RESCUE_AFTER = 30.0  # seconds without a completion report before the controller polls
 
 
@@ -86,6 +85,7 @@ class RolloutController:
         self._completed: queue.Queue[int] = queue.Queue()
         self._paused = False
         self._stopping = False
+        self._error: Exception | None = None
         self._source: Iterator[tuple[Any, dict[str, Any]]] | None = None
         self._threads: list[threading.Thread] = []
         self._server_cm: contextlib.AbstractContextManager | None = None
@@ -293,8 +293,12 @@ class RolloutController:
                     **kwargs,
                 )
             except Exception as e:
+                # A worker that cannot take tasks would turn every remaining row into a
+                # rejection; stop and let wait() report why.
                 logger.error("submitting task %d to %s failed: %s", task.task_id, task.worker.id, e)
+                self._error = e
                 self._finish(task.task_id, None)
+                return
 
     def _on_complete(self, task_id: int) -> None:
         self._completed.put(int(task_id))
@@ -310,17 +314,13 @@ class RolloutController:
             if task is None:
                 continue
             try:
-                result = self._call(
-                    task.worker,
-                    "wait_for_task",
-                    task_id,
-                    timeout=FETCH_TIMEOUT,
-                    raise_timeout=False,
-                )
+                done, result = self._call(task.worker, "poll_task", task_id)
             except Exception as e:
                 logger.error("fetching task %d from %s failed: %s", task_id, task.worker.id, e)
-                result = None
-            self._finish(task_id, result)
+                done, result = True, None
+            if done:
+                self._finish(task_id, result)
+            # else still running (a straggler poll): its completion report fetches it
 
     def _rescue_stragglers(self) -> None:
         """Poll tasks whose completion report may have been lost."""
@@ -347,6 +347,8 @@ class RolloutController:
         accepted: list[tuple[int, Any]] = []
         with self._lock:
             while True:
+                if self._error is not None:
+                    raise RuntimeError(f"rollout dispatch stopped: {self._error}") from self._error
                 for task_id in sorted(self._results):
                     trajectory = self._results.pop(task_id)
                     if trajectory is not None:

@@ -1,0 +1,105 @@
+"""RolloutController against a fake scheduler: slow tasks and broken workers."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from areal.api.cli_args import InferenceEngineConfig, SchedulingSpec
+from areal.api.scheduler_api import Job, Worker
+from areal.infra.controller import rollout_controller
+from areal.infra.controller.rollout_controller import RolloutController
+
+
+class FakeScheduler:
+    """One rollout worker whose tasks finish ``task_seconds`` after submission."""
+
+    rpc_token = "fake-token-123456"
+
+    def __init__(self, task_seconds: float = 0.0, fail_submit: bool = False):
+        self.task_seconds = task_seconds
+        self.fail_submit = fail_submit
+        self.submitted: list[int] = []
+        self.started: dict[int, float] = {}
+        self.lock = threading.Lock()
+
+    def create_workers(self, job: Job) -> list[str]:
+        return [f"{job.role}/{i}" for i in range(job.replicas)]
+
+    def get_workers(self, role: str, timeout: float | None = None) -> list[Worker]:
+        return [Worker(f"{role}/0", "127.0.0.1", ["1"])]
+
+    async def create_engine(self, worker_id: str, engine: str, *args: Any, **kwargs: Any) -> str:
+        return worker_id
+
+    def delete_workers(self, role: str | None = None) -> None:
+        pass
+
+    def call_engine(self, worker_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("engine_name", None)
+        if method == "launch_local_server":
+            return "127.0.0.1:1"
+        if method == "submit":
+            if self.fail_submit:
+                raise ConnectionError("worker gone")
+            with self.lock:
+                self.submitted.append(kwargs["task_id"])
+                self.started[kwargs["task_id"]] = time.monotonic()
+            return kwargs["task_id"]
+        if method == "poll_task":
+            (task_id,) = args
+            with self.lock:
+                began = self.started.get(task_id)
+                if began is None or time.monotonic() - began < self.task_seconds:
+                    return False, None
+                del self.started[task_id]
+            return True, {"task": task_id}
+        if method == "export_stats":
+            return {}
+        return None
+
+
+def _controller(scheduler: FakeScheduler) -> RolloutController:
+    config = InferenceEngineConfig(
+        backend="hf:d1",
+        experiment_name="exp",
+        trial_name="trial",
+        consumer_batch_size=2,
+        max_head_offpolicyness=0,
+        max_concurrent_rollouts=2,
+    )
+    controller = RolloutController(config, scheduler)
+    controller.initialize(1, SchedulingSpec(), server_args={})
+    return controller
+
+
+def test_a_task_still_running_when_polled_is_not_rejected(monkeypatch):
+    # no completion reports reach the fake: every fetch comes from the straggler poll,
+    # which first finds the tasks still running
+    monkeypatch.setattr(rollout_controller, "RESCUE_AFTER", 0.2)
+    scheduler = FakeScheduler(task_seconds=1.5)
+    controller = _controller(scheduler)
+    try:
+        rows = [[{"id": 0}, {"id": 1}], [{"id": 2}, {"id": 3}]]
+        batch = controller.prepare_batch(rows, workflow="w", batch_size=2)
+        assert [t["task"] for t in batch] == [0, 1]
+        time.sleep(0.5)
+        assert scheduler.submitted == [0, 1]  # no row was replaced by a fresh one
+    finally:
+        controller.destroy()
+
+
+def test_a_worker_that_cannot_take_tasks_stops_the_dispatch():
+    scheduler = FakeScheduler(fail_submit=True)
+    controller = _controller(scheduler)
+    try:
+        rows = [[{"id": i}, {"id": i + 1}] for i in range(0, 100, 2)]
+        with pytest.raises(RuntimeError, match="rollout dispatch stopped: worker gone"):
+            controller.prepare_batch(rows, workflow="w", batch_size=2)
+        time.sleep(0.3)
+        assert len(scheduler.started) == 0 and controller.staleness.get_stats().rejected == 1
+    finally:
+        controller.destroy()
