@@ -21,13 +21,9 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import dataclasses
 import datetime
 import os
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,12 +34,13 @@ from torch import nn
 
 from areal.api.cli_args import TrainEngineConfig
 from areal.api.engine_api import InferenceEngine, TrainEngine
-from areal.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.engine.attention import packed_forward_kwargs, register_varlen_attention
 from areal.engine.logprobs import gather_logprobs, next_token_labels
 from areal.engine.optim import build_lr_scheduler, build_optimizer
-from areal.utils import logging, name_resolve, names
-from areal.utils.network import find_free_port, gethostip
+from areal.engine.weight_sync import RolloutWeightSync
+from areal.utils import logging
+from areal.utils.network import find_free_port
 from areal.utils.packing import split_padded_tensor_dict_into_mb_list
 
 __all__ = ["FSDPEngine", "PolicyModule"]
@@ -116,7 +113,7 @@ def _flat(mb: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class FSDPEngine(TrainEngine):
+class FSDPEngine(RolloutWeightSync, TrainEngine):
     def __init__(self, config: TrainEngineConfig):
         self.config = config
         self.module: PolicyModule | None = None
@@ -519,53 +516,8 @@ class FSDPEngine(TrainEngine):
 
     # --- weight sync ---
 
-    def connect_engine(self, rollout_engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
-        self.rollout_engine = rollout_engine
-        self._weight_meta = meta
-        if meta.type == "xccl":
-            self._init_weight_group(meta)
-
-    def _init_weight_group(self, meta: WeightUpdateMeta) -> None:
-        if dist.get_rank() == 0:
-            if not meta.nccl_master_address or meta.nccl_master_address == "127.0.0.1":
-                meta.nccl_master_address = gethostip()
-            meta.nccl_master_port = find_free_port()
-            joined = self.rollout_engine.init_weights_update_group(meta)
-            self._weight_group = _join_weight_group(meta, joined)
-        dist.barrier(group=self._cpu_group)
-
-    def update_weights(self, meta: WeightUpdateMeta) -> None:
-        if self.rollout_engine is None:
-            raise RuntimeError("connect_engine() the rollout engine before update_weights()")
-        if meta.type == "disk":
-            self._update_weights_from_disk(meta)
-        elif meta.type == "xccl":
-            self._update_weights_from_distributed(meta)
-        else:
-            raise ValueError(f"weight update type {meta.type!r} is not supported; disk or xccl")
-
-    def _update_weights_from_disk(self, meta: WeightUpdateMeta) -> None:
-        version = self._version if meta.version is None else meta.version
-        meta = dataclasses.replace(meta, version=version)
-        if meta.path is None:
-            raise ValueError("a disk weight update needs WeightUpdateMeta.path")
-        rank0 = dist.get_rank() == 0
-        loaded = None
-        if rank0:
-            self.rollout_engine.pause_generation()
-            loaded = self.rollout_engine.update_weights_from_disk(meta)
-        self._save_hf(meta.path)
-        if rank0:
-            exp, trial = _experiment(self.rollout_engine)
-            if exp and trial:
-                name_resolve.add(
-                    names.update_weights_from_disk(exp, trial, version),
-                    str(time.time()),
-                    replace=True,
-                )
-            loaded.result()
-            self.rollout_engine.continue_generation()
-        dist.barrier(group=self._cpu_group)
+    def _weights_for_inference(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._full_parameters()
 
     def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full parameters, one at a time (a collective on every rank)."""
@@ -573,43 +525,6 @@ class FSDPEngine(TrainEngine):
             tensor = param.data
             full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             yield name, full
-
-    def _update_weights_from_distributed(self, meta: WeightUpdateMeta) -> None:
-        from areal.utils.nccl_group import broadcast
-
-        rank0 = dist.get_rank() == 0
-        dtype = to_dtype(self.config.dtype)
-        budget = meta.weight_chunked_mem_mb * 1024 * 1024
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        if rank0:
-            self.rollout_engine.pause_generation()
-
-        def flush() -> None:
-            nonlocal bucket, size
-            if rank0 and bucket:
-                specs = [
-                    ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                    for n, t in bucket
-                ]
-                received = self.rollout_engine.update_weights_from_distributed(meta, specs)
-                for _, tensor in bucket:
-                    broadcast(self._weight_group, tensor, src=0)
-                received.result()
-            bucket, size = [], 0
-
-        for name, full in self._full_parameters():
-            if not rank0:
-                continue
-            tensor = full.to(dtype).contiguous()
-            if size and size + tensor.numel() * tensor.element_size() > budget:
-                flush()
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-        flush()
-        if rank0:
-            self.rollout_engine.continue_generation()
-        dist.barrier(group=self._cpu_group)
 
     # --- housekeeping ---
 
@@ -626,47 +541,6 @@ class FSDPEngine(TrainEngine):
             "allocated_gb": torch.cuda.memory_allocated() / 2**30,
             "max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
         }
-
-
-def _join_weight_group(meta: WeightUpdateMeta, joined: concurrent.futures.Future):
-    """Join the weight-update group as rank 0 while the servers join theirs.
-
-    Joining blocks until every server arrives, so it runs on a helper thread: a server
-    that fails to join (its HTTP call errors) fails this call at once instead of leaving
-    rank 0 waiting for the rendezvous timeout.
-    """
-    from areal.utils.nccl_group import create_group
-
-    created: concurrent.futures.Future = concurrent.futures.Future()
-
-    def join() -> None:
-        try:
-            created.set_result(
-                create_group(
-                    meta.nccl_master_address,
-                    meta.nccl_master_port,
-                    0,
-                    meta.gen_world_size + 1,
-                    meta.nccl_group_name,
-                )
-            )
-        except BaseException as e:  # reported through the future
-            created.set_exception(e)
-
-    threading.Thread(target=join, name="weight-group-join", daemon=True).start()
-    concurrent.futures.wait([joined, created], return_when=concurrent.futures.FIRST_EXCEPTION)
-    if joined.done() and joined.exception() is not None:
-        raise RuntimeError(
-            f"an inference server failed to join the weight-update group: {joined.exception()}"
-        )
-    group = created.result()
-    joined.result()
-    return group
-
-
-def _experiment(engine: Any) -> tuple[str, str]:
-    config = getattr(engine, "config", None)
-    return getattr(config, "experiment_name", "") or "", getattr(config, "trial_name", "") or ""
 
 
 def _rng_state() -> dict[str, Any]:

@@ -35,7 +35,6 @@ import functools
 import json
 import math
 import os
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -45,24 +44,23 @@ import torch.distributed as dist
 
 from areal.api.cli_args import TrainEngineConfig
 from areal.api.engine_api import InferenceEngine, TrainEngine
-from areal.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.api.io_struct import FinetuneSpec, SaveLoadMeta
 from areal.engine.attention import packed_causal_attention
 from areal.engine.fsdp_engine import (
     EXTRA_STATE,
     PROCESS_GROUP_TIMEOUT,
     LossFn,
     WeightFn,
-    _experiment,
     _flat,
-    _join_weight_group,
     _rng_state,
     _set_rng_state,
     to_dtype,
 )
 from areal.engine.logprobs import next_token_labels
 from areal.engine.optim import lr_multiplier
-from areal.utils import logging, name_resolve, names
-from areal.utils.network import find_free_port, gethostip
+from areal.engine.weight_sync import RolloutWeightSync
+from areal.utils import logging
+from areal.utils.network import find_free_port
 from areal.utils.packing import split_padded_tensor_dict_into_mb_list
 
 __all__ = ["MegatronEngine", "vocab_parallel_logprobs"]
@@ -187,7 +185,7 @@ def _fp32_lm_head(module: torch.nn.Module, args: tuple, kwargs: dict):
     return (args[0].float(), *args[1:]), kwargs
 
 
-class MegatronEngine(TrainEngine):
+class MegatronEngine(RolloutWeightSync, TrainEngine):
     def __init__(self, config: TrainEngineConfig):
         self.config = config
         self.model: list[torch.nn.Module] = []
@@ -844,86 +842,9 @@ class MegatronEngine(TrainEngine):
 
     # --- weight sync ---
 
-    def connect_engine(self, rollout_engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
-        self.rollout_engine = rollout_engine
-        if meta.type == "xccl":
-            if dist.get_rank() == 0:
-                if not meta.nccl_master_address or meta.nccl_master_address == "127.0.0.1":
-                    meta.nccl_master_address = gethostip()
-                meta.nccl_master_port = find_free_port()
-                joined = self.rollout_engine.init_weights_update_group(meta)
-                self._weight_group = _join_weight_group(meta, joined)
-            dist.barrier(group=self._cpu_group)
-
-    def update_weights(self, meta: WeightUpdateMeta) -> None:
-        if self.rollout_engine is None:
-            raise RuntimeError("connect_engine() the rollout engine before update_weights()")
-        if meta.type == "disk":
-            self._update_weights_from_disk(meta)
-        elif meta.type == "xccl":
-            self._update_weights_from_distributed(meta)
-        else:
-            raise ValueError(f"weight update type {meta.type!r} is not supported; disk or xccl")
-
-    def _update_weights_from_disk(self, meta: WeightUpdateMeta) -> None:
-        version = self._version if meta.version is None else meta.version
-        meta = dataclasses.replace(meta, version=version)
-        if meta.path is None:
-            raise ValueError("a disk weight update needs WeightUpdateMeta.path")
-        rank0 = dist.get_rank() == 0
-        loaded = None
-        if rank0:
-            self.rollout_engine.pause_generation()
-            loaded = self.rollout_engine.update_weights_from_disk(meta)
-        self._save_hf(meta.path)
-        if rank0:
-            exp, trial = _experiment(self.rollout_engine)
-            if exp and trial:
-                name_resolve.add(
-                    names.update_weights_from_disk(exp, trial, version),
-                    str(time.time()),
-                    replace=True,
-                )
-            loaded.result()
-            self.rollout_engine.continue_generation()
-        dist.barrier(group=self._cpu_group)
-
-    def _update_weights_from_distributed(self, meta: WeightUpdateMeta) -> None:
-        from areal.utils.nccl_group import broadcast
-
-        rank0 = dist.get_rank() == 0
-        budget = meta.weight_chunked_mem_mb * 1024 * 1024
-        bucket: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        if rank0:
-            self.rollout_engine.pause_generation()
-
-        def flush() -> None:
-            nonlocal bucket, size
-            if rank0 and bucket:
-                specs = [
-                    ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                    for n, t in bucket
-                ]
-                received = self.rollout_engine.update_weights_from_distributed(meta, specs)
-                for _, tensor in bucket:
-                    broadcast(self._weight_group, tensor, src=0)
-                received.result()
-            bucket, size = [], 0
-
-        # every rank takes part in the bridge's TP/PP/EP gathers; rank 0 sends
-        for name, tensor in self._hf_tensors(to_dtype(self.config.dtype)):
-            if not rank0:
-                continue
-            tensor = tensor.to(self.device).contiguous()
-            if size and size + tensor.numel() * tensor.element_size() > budget:
-                flush()
-            bucket.append((name, tensor))
-            size += tensor.numel() * tensor.element_size()
-        flush()
-        if rank0:
-            self.rollout_engine.continue_generation()
-        dist.barrier(group=self._cpu_group)
+    def _weights_for_inference(self) -> Iterator[tuple[str, torch.Tensor]]:
+        # every rank takes part in the bridge's TP/PP/EP gathers
+        return self._hf_tensors(to_dtype(self.config.dtype))
 
     # --- housekeeping ---
 

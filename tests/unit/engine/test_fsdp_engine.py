@@ -207,7 +207,7 @@ def test_a_server_failing_to_join_the_weight_group_fails_fast(monkeypatch):
     import threading
     import time
 
-    from areal.engine import fsdp_engine
+    from areal.engine import weight_sync
     from areal.utils import nccl_group
 
     release = threading.Event()
@@ -222,10 +222,10 @@ def test_a_server_failing_to_join_the_weight_group_fails_fast(monkeypatch):
     failed.set_exception(RuntimeError("HTTP 400: NCCL weight updates need a CUDA server"))
     begin = time.monotonic()
     with pytest.raises(RuntimeError, match="failed to join the weight-update group"):
-        fsdp_engine._join_weight_group(meta, failed)
+        weight_sync._join_weight_group(meta, failed)
     assert time.monotonic() - begin < 5
     release.set()
 
     ok: concurrent.futures.Future = concurrent.futures.Future()
     ok.set_result(None)
-    assert fsdp_engine._join_weight_group(meta, ok) == "group"
+    assert weight_sync._join_weight_group(meta, ok) == "group"

@@ -1,0 +1,178 @@
+"""Weight sync from a train engine to the rollout side: disk or NCCL (shared by engines).
+
+:class:`RolloutWeightSync` is a mixin for :class:`~areal.api.engine_api.TrainEngine`
+implementations. The engine provides ``rollout_engine`` (set by :meth:`connect_engine`),
+``_weight_group``, ``_cpu_group`` (a gloo group over all ranks), ``_version``, ``device``,
+``config.dtype``, ``_save_hf(path)`` (HF export, a collective) and
+``_weights_for_inference()``: ``(hf_name, tensor)`` pairs on every rank (a collective;
+only rank 0's tensors are sent).
+
+* disk: rank 0 pauses generation and asks the rollout side to load ``meta.path``; every rank
+  takes part in the HF save; rank 0 publishes the version's name-resolve key (the load
+  waits for it), waits for the load and continues generation.
+* xccl: rank 0 joins an NCCL group with the inference servers (:meth:`connect_engine`),
+  then sends the weights in buckets of at most ``weight_chunked_mem_mb``: for each bucket
+  the servers are told the names, shapes and dtypes, then the tensors are broadcast.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from areal.api.engine_api import InferenceEngine
+from areal.api.io_struct import ParamSpec, WeightUpdateMeta
+from areal.utils import name_resolve, names
+from areal.utils.network import find_free_port, gethostip
+
+__all__ = ["RolloutWeightSync"]
+
+
+class RolloutWeightSync:
+    """Mixin: ``connect_engine`` and ``update_weights`` of a train engine (see module doc)."""
+
+    rollout_engine: InferenceEngine | None
+    _weight_group: Any
+
+    def _weights_for_inference(self) -> Iterator[tuple[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def connect_engine(self, rollout_engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
+        self.rollout_engine = rollout_engine
+        self._weight_meta = meta
+        if meta.type == "xccl":
+            self._init_weight_group(meta)
+
+    def _init_weight_group(self, meta: WeightUpdateMeta) -> None:
+        if dist.get_rank() == 0:
+            if not meta.nccl_master_address or meta.nccl_master_address == "127.0.0.1":
+                meta.nccl_master_address = gethostip()
+            meta.nccl_master_port = find_free_port()
+            joined = self.rollout_engine.init_weights_update_group(meta)
+            self._weight_group = _join_weight_group(meta, joined)
+        dist.barrier(group=self._cpu_group)
+
+    def update_weights(self, meta: WeightUpdateMeta) -> None:
+        if self.rollout_engine is None:
+            raise RuntimeError("connect_engine() the rollout engine before update_weights()")
+        if meta.type == "disk":
+            self._update_weights_from_disk(meta)
+        elif meta.type == "xccl":
+            self._update_weights_from_distributed(meta)
+        else:
+            raise ValueError(f"weight update type {meta.type!r} is not supported; disk or xccl")
+
+    def _update_weights_from_disk(self, meta: WeightUpdateMeta) -> None:
+        version = self._version if meta.version is None else meta.version
+        meta = dataclasses.replace(meta, version=version)
+        if meta.path is None:
+            raise ValueError("a disk weight update needs WeightUpdateMeta.path")
+        rank0 = dist.get_rank() == 0
+        loaded = None
+        if rank0:
+            self.rollout_engine.pause_generation()
+            loaded = self.rollout_engine.update_weights_from_disk(meta)
+        self._save_hf(meta.path)
+        if rank0:
+            exp, trial = _experiment(self.rollout_engine)
+            if exp and trial:
+                name_resolve.add(
+                    names.update_weights_from_disk(exp, trial, version),
+                    str(time.time()),
+                    replace=True,
+                )
+            loaded.result()
+            self.rollout_engine.continue_generation()
+        dist.barrier(group=self._cpu_group)
+
+    def _update_weights_from_distributed(self, meta: WeightUpdateMeta) -> None:
+        from areal.utils.nccl_group import broadcast
+
+        rank0 = dist.get_rank() == 0
+        dtype = _dtype(self.config.dtype)
+        budget = meta.weight_chunked_mem_mb * 1024 * 1024
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        if rank0:
+            self.rollout_engine.pause_generation()
+
+        def flush() -> None:
+            nonlocal bucket, size
+            if rank0 and bucket:
+                specs = [
+                    ParamSpec(n, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                    for n, t in bucket
+                ]
+                received = self.rollout_engine.update_weights_from_distributed(meta, specs)
+                for _, tensor in bucket:
+                    broadcast(self._weight_group, tensor, src=0)
+                received.result()
+            bucket, size = [], 0
+
+        # every rank takes part in producing the tensors; rank 0 sends them
+        for name, full in self._weights_for_inference():
+            if not rank0:
+                continue
+            tensor = full.to(device=self.device, dtype=dtype).contiguous()
+            if size and size + tensor.numel() * tensor.element_size() > budget:
+                flush()
+            bucket.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+        flush()
+        if rank0:
+            self.rollout_engine.continue_generation()
+        dist.barrier(group=self._cpu_group)
+
+
+def _join_weight_group(meta: WeightUpdateMeta, joined: concurrent.futures.Future):
+    """Join the weight-update group as rank 0 while the servers join theirs.
+
+    Joining blocks until every server arrives, so it runs on a helper thread: a server
+    that fails to join (its HTTP call errors) fails this call at once instead of leaving
+    rank 0 waiting for the rendezvous timeout.
+    """
+    from areal.utils.nccl_group import create_group
+
+    created: concurrent.futures.Future = concurrent.futures.Future()
+
+    def join() -> None:
+        try:
+            created.set_result(
+                create_group(
+                    meta.nccl_master_address,
+                    meta.nccl_master_port,
+                    0,
+                    meta.gen_world_size + 1,
+                    meta.nccl_group_name,
+                )
+            )
+        except BaseException as e:  # reported through the future
+            created.set_exception(e)
+
+    threading.Thread(target=join, name="weight-group-join", daemon=True).start()
+    concurrent.futures.wait([joined, created], return_when=concurrent.futures.FIRST_EXCEPTION)
+    if joined.done() and joined.exception() is not None:
+        raise RuntimeError(
+            f"an inference server failed to join the weight-update group: {joined.exception()}"
+        )
+    group = created.result()
+    joined.result()
+    return group
+
+
+def _experiment(engine: Any) -> tuple[str, str]:
+    config = getattr(engine, "config", None)
+    return getattr(config, "experiment_name", "") or "", getattr(config, "trial_name", "") or ""
+
+
+def _dtype(name: str) -> torch.dtype:
+    from areal.engine.fsdp_engine import to_dtype
+
+    return to_dtype(name)
