@@ -69,6 +69,35 @@ def to_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
 
 
+def init_default_process_group() -> tuple[torch.device | None, bool]:
+    """Select this rank's GPU (``LOCAL_RANK``) and start the default process group.
+
+    NCCL with a GPU, gloo without; from ``RANK``/``MASTER_ADDR`` when a launcher set them,
+    else a private one-rank group. Returns ``(cuda device or None, whether this call
+    created the group)``.
+    """
+    device = None
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    if dist.is_initialized():
+        return device, False
+    backend = "nccl" if use_cuda else "gloo"
+    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
+    else:  # a single process: a private one-rank group
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{find_free_port('127.0.0.1')}",
+            rank=0,
+            world_size=1,
+            timeout=PROCESS_GROUP_TIMEOUT,
+        )
+    return device, True
+
+
 class PolicyModule(nn.Module):
     """The causal LM plus chunked next-token log-probs, as one FSDP root module.
 
@@ -144,24 +173,10 @@ class FSDPEngine(RolloutWeightSync, TrainEngine):
                     f"the FSDP engine is data parallel only (got {extra}); use the Megatron "
                     "backend for tensor, context or pipeline parallelism"
                 )
-        use_cuda = torch.cuda.is_available()
-        if use_cuda:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
-        if not dist.is_initialized():
-            backend = "nccl" if use_cuda else "gloo"
-            if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
-            else:  # a single process: a private one-rank group
-                dist.init_process_group(
-                    backend,
-                    init_method=f"tcp://127.0.0.1:{find_free_port('127.0.0.1')}",
-                    rank=0,
-                    world_size=1,
-                    timeout=PROCESS_GROUP_TIMEOUT,
-                )
-            self._own_process_group = True
+        device, created = init_default_process_group()
+        if device is not None:
+            self.device = device
+        self._own_process_group = self._own_process_group or created
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()

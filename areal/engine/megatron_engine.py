@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import json
 import math
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -54,13 +53,13 @@ from areal.engine.fsdp_engine import (
     _flat,
     _rng_state,
     _set_rng_state,
+    init_default_process_group,
     to_dtype,
 )
 from areal.engine.logprobs import next_token_labels
 from areal.engine.optim import lr_multiplier
 from areal.engine.weight_sync import RolloutWeightSync
 from areal.utils import logging
-from areal.utils.network import find_free_port
 from areal.utils.packing import split_padded_tensor_dict_into_mb_list
 
 __all__ = ["MegatronEngine", "vocab_parallel_logprobs"]
@@ -235,24 +234,10 @@ class MegatronEngine(RolloutWeightSync, TrainEngine):
     def create_process_group(self, parallel_strategy: Any = None) -> None:
         from megatron.core import parallel_state, tensor_parallel
 
-        use_cuda = torch.cuda.is_available()
-        if use_cuda:
-            local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
-        if not dist.is_initialized():
-            backend = "nccl" if use_cuda else "gloo"
-            if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-                dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
-            else:  # a single process: a private one-rank group
-                dist.init_process_group(
-                    backend,
-                    init_method=f"tcp://127.0.0.1:{find_free_port('127.0.0.1')}",
-                    rank=0,
-                    world_size=1,
-                    timeout=PROCESS_GROUP_TIMEOUT,
-                )
-            self._own_process_group = True
+        device, created = init_default_process_group()
+        if device is not None:
+            self.device = device
+        self._own_process_group = self._own_process_group or created
         p = self.parallel = self._strategy(parallel_strategy, dist.get_world_size())
         vpp = self.config.megatron.virtual_pipeline_parallel_size
         if parallel_state.model_parallel_is_initialized():
@@ -266,7 +251,7 @@ class MegatronEngine(RolloutWeightSync, TrainEngine):
             expert_tensor_parallel_size=p.etp_size,
             order="tp-cp-ep-dp-pp",
         )
-        if use_cuda:
+        if device is not None:
             tensor_parallel.model_parallel_cuda_manual_seed(1)
         self._cpu_group = (
             dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
