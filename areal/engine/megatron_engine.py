@@ -775,8 +775,15 @@ class MegatronEngine(RolloutWeightSync, TrainEngine):
             # (Megatron has no state initializer for SGD, whose state may stay empty)
             parts = getattr(self.optimizer, "chained_optimizers", [self.optimizer])
             can_init = all(getattr(part, "init_state_fn", None) for part in parts)
+            if is_loading and can_init:
+                _init_optimizer_state(parts)
+            # dp_reshardable: each rank saves and loads its own optimizer shard (recover keeps
+            # the layout); megatron-core's default format needs ShardedTensor flattening,
+            # which its torch_dist saver refuses ("flattened_range is not supported")
             state["optimizer"] = self.optimizer.sharded_state_dict(
-                flat, is_loading=is_loading and can_init
+                flat,
+                is_loading=is_loading and can_init,
+                metadata={"distrib_optim_sharding_type": "dp_reshardable"},
             )
         return state
 
@@ -864,3 +871,19 @@ def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
     while hasattr(module, "module"):
         module = module.module
     return module
+
+
+def _init_optimizer_state(parts: list[Any]) -> None:
+    """Give a fresh optimizer the state a checkpoint is loaded into.
+
+    Megatron's initializer creates the Adam moments but not torch's per-parameter ``step``,
+    which its distributed optimizer reads (without Apex/TE) when it builds the state dict.
+    """
+    for part in parts:
+        inner = getattr(part, "optimizer", None)
+        if inner is None:
+            continue
+        part.init_state_fn(inner, getattr(part, "config", None))
+        for group in inner.param_groups:
+            for param in group["params"]:
+                inner.state[param].setdefault("step", torch.zeros((), dtype=torch.float32))
