@@ -815,12 +815,15 @@ class MegatronEngine(RolloutWeightSync, TrainEngine):
 
         with_optim = with_optim and self.optimizer is not None
         state = dist_checkpointing.load(self._sharded_state(with_optim, is_loading=True), path)
-        for i, chunk in enumerate(self.model):
-            _unwrap(chunk).load_state_dict(state["model" if len(self.model) == 1 else f"model{i}"])
-        if with_optim:
-            self.optimizer.load_state_dict(state["optimizer"])
-        elif self.optimizer is not None:
-            self.optimizer.reload_model_params()
+        # the optimizer copies loaded values into leaf parameters in place (no autograd)
+        with torch.no_grad():
+            for i, chunk in enumerate(self.model):
+                key = "model" if len(self.model) == 1 else f"model{i}"
+                _unwrap(chunk).load_state_dict(state[key])
+            if with_optim:
+                self.optimizer.load_state_dict(state["optimizer"])
+            elif self.optimizer is not None:
+                self.optimizer.reload_model_params()
         extra_file = Path(path) / EXTRA_STATE.format(rank=dist.get_rank())
         if extra_file.exists():
             extra = torch.load(extra_file, weights_only=False)
