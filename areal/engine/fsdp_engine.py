@@ -34,8 +34,9 @@ from torch import nn
 
 from areal.api.cli_args import TrainEngineConfig
 from areal.api.engine_api import InferenceEngine, TrainEngine
-from areal.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal.engine.attention import packed_forward_kwargs, register_varlen_attention
+from areal.engine.checkpoint import CheckpointFormats, read_extra_state, write_extra_state
 from areal.engine.logprobs import gather_logprobs, next_token_labels
 from areal.engine.optim import build_lr_scheduler, build_optimizer
 from areal.engine.weight_sync import RolloutWeightSync
@@ -56,7 +57,6 @@ DTYPES = {
     "fp16": torch.float16,
 }
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=7200)
-EXTRA_STATE = "extra_state_rank{rank}.pt"
 
 LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
 WeightFn = Callable[[dict[str, Any]], float | torch.Tensor]
@@ -142,7 +142,7 @@ def _flat(mb: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-class FSDPEngine(RolloutWeightSync, TrainEngine):
+class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
     def __init__(self, config: TrainEngineConfig):
         self.config = config
         self.module: PolicyModule | None = None
@@ -445,14 +445,6 @@ class FSDPEngine(RolloutWeightSync, TrainEngine):
             state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
         return state
 
-    def save(self, meta: SaveLoadMeta) -> None:
-        if meta.weight_format == "hf":
-            self._save_hf(meta.path, meta.tokenizer)
-        elif meta.weight_format == "dcp":
-            self._save_dcp(meta.path, meta.with_optim)
-        else:
-            raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
-
     def _save_hf(self, path: str, tokenizer: Any = None) -> None:
         state = self._full_state_dict(to_dtype(self.config.dtype))
         if dist.get_rank() == 0:
@@ -475,21 +467,12 @@ class FSDPEngine(RolloutWeightSync, TrainEngine):
             state["optim"] = optim_state
         Path(path).mkdir(parents=True, exist_ok=True)
         dcp.save(state, checkpoint_id=path)
-        extra = {
-            "version": self._version,
-            "rng": _rng_state(),
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-        }
-        torch.save(extra, Path(path) / EXTRA_STATE.format(rank=dist.get_rank()))
+        write_extra_state(
+            path,
+            version=self._version,
+            lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler else None,
+        )
         dist.barrier(group=self._cpu_group)
-
-    def load(self, meta: SaveLoadMeta) -> None:
-        if meta.weight_format == "dcp":
-            self._load_dcp(meta.path, meta.with_optim)
-        elif meta.weight_format == "hf":
-            self._load_hf(meta.path)
-        else:
-            raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
 
     def _load_dcp(self, path: str, with_optim: bool) -> None:
         import torch.distributed.checkpoint as dcp
@@ -507,11 +490,9 @@ class FSDPEngine(RolloutWeightSync, TrainEngine):
             model_state_dict=state["model"],
             optim_state_dict=state.get("optim", {}),
         )
-        extra_file = Path(path) / EXTRA_STATE.format(rank=dist.get_rank())
-        if extra_file.exists():
-            extra = torch.load(extra_file, weights_only=False)
+        extra = read_extra_state(path)
+        if extra is not None:
             self._version = extra.get("version", self._version)
-            _set_rng_state(extra["rng"])
             if self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
                 self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         dist.barrier(group=self._cpu_group)
@@ -556,30 +537,3 @@ class FSDPEngine(RolloutWeightSync, TrainEngine):
             "allocated_gb": torch.cuda.memory_allocated() / 2**30,
             "max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
         }
-
-
-def _rng_state() -> dict[str, Any]:
-    import random
-
-    import numpy as np
-
-    state = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
-
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

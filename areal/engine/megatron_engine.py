@@ -43,16 +43,14 @@ import torch.distributed as dist
 
 from areal.api.cli_args import TrainEngineConfig
 from areal.api.engine_api import InferenceEngine, TrainEngine
-from areal.api.io_struct import FinetuneSpec, SaveLoadMeta
+from areal.api.io_struct import FinetuneSpec
 from areal.engine.attention import packed_causal_attention
+from areal.engine.checkpoint import CheckpointFormats, read_extra_state, write_extra_state
 from areal.engine.fsdp_engine import (
-    EXTRA_STATE,
     PROCESS_GROUP_TIMEOUT,
     LossFn,
     WeightFn,
     _flat,
-    _rng_state,
-    _set_rng_state,
     init_default_process_group,
     to_dtype,
 )
@@ -184,7 +182,7 @@ def _fp32_lm_head(module: torch.nn.Module, args: tuple, kwargs: dict):
     return (args[0].float(), *args[1:]), kwargs
 
 
-class MegatronEngine(RolloutWeightSync, TrainEngine):
+class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
     def __init__(self, config: TrainEngineConfig):
         self.config = config
         self.model: list[torch.nn.Module] = []
@@ -705,14 +703,6 @@ class MegatronEngine(RolloutWeightSync, TrainEngine):
         """A copy of the whole model as an HF state dict on CPU, on every rank (collective)."""
         return {name: t.detach().to("cpu", copy=True) for name, t in self._hf_tensors(dtype)}
 
-    def save(self, meta: SaveLoadMeta) -> None:
-        if meta.weight_format == "hf":
-            self._save_hf(meta.path, meta.tokenizer)
-        elif meta.weight_format == "dcp":
-            self._save_dcp(meta.path, meta.with_optim)
-        else:
-            raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
-
     def _save_hf(self, path: str, tokenizer: Any = None) -> None:
         from safetensors.torch import save_file
         from transformers import AutoConfig
@@ -793,22 +783,13 @@ class MegatronEngine(RolloutWeightSync, TrainEngine):
         Path(path).mkdir(parents=True, exist_ok=True)
         dist.barrier(group=self._cpu_group)
         dist_checkpointing.save(self._sharded_state(with_optim, is_loading=False), path)
-        extra = {
-            "version": self._version,
-            "rng": _rng_state(),
-            "lr_step": self._lr_step,
-            "optimizer_steps": getattr(self, "_optimizer_steps", 0),
-        }
-        torch.save(extra, Path(path) / EXTRA_STATE.format(rank=dist.get_rank()))
+        write_extra_state(
+            path,
+            version=self._version,
+            lr_step=self._lr_step,
+            optimizer_steps=getattr(self, "_optimizer_steps", 0),
+        )
         dist.barrier(group=self._cpu_group)
-
-    def load(self, meta: SaveLoadMeta) -> None:
-        if meta.weight_format == "dcp":
-            self._load_dcp(meta.path, meta.with_optim)
-        elif meta.weight_format == "hf":
-            self._load_hf(meta.path)
-        else:
-            raise ValueError(f"weight_format must be 'hf' or 'dcp', got {meta.weight_format!r}")
 
     def _load_dcp(self, path: str, with_optim: bool) -> None:
         from megatron.core import dist_checkpointing
@@ -824,11 +805,9 @@ class MegatronEngine(RolloutWeightSync, TrainEngine):
                 self.optimizer.load_state_dict(state["optimizer"])
             elif self.optimizer is not None:
                 self.optimizer.reload_model_params()
-        extra_file = Path(path) / EXTRA_STATE.format(rank=dist.get_rank())
-        if extra_file.exists():
-            extra = torch.load(extra_file, weights_only=False)
+        extra = read_extra_state(path)
+        if extra is not None:
             self._version = extra.get("version", self._version)
-            _set_rng_state(extra["rng"])
             self._lr_step = extra.get("lr_step", self._lr_step)
             self._optimizer_steps = extra.get("optimizer_steps", 0)
             if self.optimizer is not None:

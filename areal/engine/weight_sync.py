@@ -42,7 +42,8 @@ class RolloutWeightSync:
     _weight_group: Any
 
     def _weights_for_inference(self) -> Iterator[tuple[str, torch.Tensor]]:
-        raise NotImplementedError
+        """Every engine using this mixin defines it (see the module docstring)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _weights_for_inference")
 
     def connect_engine(self, rollout_engine: InferenceEngine, meta: WeightUpdateMeta) -> None:
         self.rollout_engine = rollout_engine
