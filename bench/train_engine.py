@@ -4,8 +4,9 @@ Both train the same random Qwen2-0.5B-shaped model (bf16 compute, fp32 master we
 AdamW) on the same sequences (lengths drawn uniformly from --min-len..--max-len, a
 next-token loss on every token) for --steps timed optimizer steps after a warm-up step:
 
-* engine: sequences packed into varlen micro-batches of at most --mb-tokens tokens,
-  per-sequence attention, chunked log-probs (no full-vocabulary logits), FSDP2.
+* engine: sequences packed into varlen micro-batches of at most --engine-mb-tokens tokens,
+  per-sequence attention, log-probs in chunks of --logprobs-chunk-size tokens (no
+  full-vocabulary logits), FSDP2.
 * plain loop: the same sequences in padded micro-batches of at most --mb-tokens real
   tokens, HF forward with an attention mask (SDPA), full-vocabulary fp32 logits and
   cross-entropy, bf16 autocast.
@@ -16,13 +17,20 @@ LM head, whose matmul runs even with tied embeddings) and T the tokens; the seco
 attention: QK^T and AV are 2 x len^2 x hidden FLOPs each, halved by the causal mask, and
 x3 for forward plus backward. Peak: --peak-tflops (989 for H100/H200 dense bf16).
 
+* engine+kernels: the same engine with ``use_kernels=True``: each decoder layer's forward
+  and the per-chunk log-prob maths run as ``torch.compile`` (Inductor/Triton) kernels, so
+  norms, rotary embedding, SwiGLU, residual adds and the softmax statistics fuse instead of
+  running as one memory pass per op. Two warm-up steps (compilation) are not timed.
 * megatron (``--engines fsdp,megatron``): the same packed micro-batches through
   ``MegatronEngine`` (megatron-core + mbridge, one GPU, distributed optimizer); its LM head
   produces full-vocabulary logits per micro-batch, hence its own --megatron-mb-tokens.
 
-    python3 bench/train_engine.py                 # on a GPU machine
-    python3 bench/train_engine.py --only engine   # one side
-    python3 bench/train_engine.py --engines fsdp,megatron   # add the Megatron column
+``--profile`` adds one profiled step per engine column: kernel time by class (GEMM, flash
+attention, compiled Triton kernels, other elementwise, ...) and the top kernels.
+
+    python3 bench/train_engine.py                 # engine, engine+kernels, plain (GPU)
+    python3 bench/train_engine.py --only engine+kernels --engine-mb-tokens 81920
+    python3 bench/train_engine.py --engines fsdp,megatron --profile
 """
 
 from __future__ import annotations
@@ -79,19 +87,84 @@ def flops_per_step(cfg, seqs: list[torch.Tensor]) -> float:
     return 6.0 * dense * tokens + attention
 
 
+KERNEL_CLASSES = (  # (label, substrings of CUDA kernel names), first match wins
+    ("attention (flash)", ("flash",)),  # before GEMM: flash kernel names mention cutlass
+    ("matmul (GEMM)", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm100_")),
+    ("compiled (triton)", ("triton",)),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("communication", ("nccl",)),
+    ("reductions", ("reduce", "softmax", "logsumexp")),
+    ("copies and casts", ("copy", "cat", "fill")),
+)
+
+
+def profile_step(step) -> dict:
+    """One profiled ``step()``: GPU busy share, kernel time by class, top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        begin = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - begin
+    kernels: dict[str, float] = {}
+    for event in prof.events():
+        # "Optimizer.step#..."-style names are annotations spanning kernels, not kernels
+        if event.device_type == torch.autograd.DeviceType.CUDA and "#" not in event.name:
+            seconds = event.self_device_time_total / 1e6
+            kernels[event.name] = kernels.get(event.name, 0.0) + seconds
+    busy = sum(kernels.values())
+    classes: dict[str, float] = {}
+    for name, seconds in kernels.items():
+        label = next(
+            (lab for lab, keys in KERNEL_CLASSES if any(k in name.lower() for k in keys)),
+            "other elementwise",
+        )
+        classes[label] = classes.get(label, 0.0) + seconds
+    top = sorted(kernels.items(), key=lambda kv: -kv[1])[:30]
+    return {
+        "wall_s": wall,
+        "gpu_busy_s": busy,
+        "by_class_s": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+        "top_kernels_s": [[name[:110], seconds] for name, seconds in top],
+    }
+
+
+def print_profile(name: str, prof: dict) -> None:
+    wall, busy = prof["wall_s"], prof["gpu_busy_s"]
+    rows = [[label, seconds, f"{100 * seconds / wall:.1f}%"]
+            for label, seconds in prof["by_class_s"].items()]  # fmt: skip
+    rows.append(
+        ["GPU idle (launch/host)", max(0.0, wall - busy), f"{100 * (1 - busy / wall):.1f}%"]
+    )
+    print(render_table(f"{name}: one profiled step, {wall:.3f} s", ["kernels", "s", "share"], rows))
+    top = [[n, s, f"{100 * s / wall:.1f}%"] for n, s in prof["top_kernels_s"]]
+    print(render_table(f"{name}: top kernels", ["kernel", "s", "share"], top))
+
+
 def run_engine(
-    model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float, backend: str = "fsdp"
+    model_dir: Path,
+    seqs,
+    mb_tokens: int,
+    steps: int,
+    lr: float,
+    backend: str = "fsdp",
+    use_kernels: bool = False,
+    profile: bool = False,
+    chunk_size: int = 8192,
 ) -> dict:
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 
     config = TrainEngineConfig(
+        use_kernels=use_kernels,
         experiment_name="bench",
         trial_name="train-engine",
         path=str(model_dir),
         dtype="bfloat16",
         mb_spec=MicroBatchSpec(max_tokens_per_mb=mb_tokens),
         optimizer=OptimizerConfig(lr=lr, warmup_steps_proportion=0.0),
-        logprobs_chunk_size=4096,
+        logprobs_chunk_size=chunk_size,
     )
     if backend == "megatron":
         from areal.engine.megatron_engine import MegatronEngine
@@ -113,12 +186,13 @@ def run_engine(
         return mb["loss_mask"].count_nonzero()
 
     times, stats = [], {}
-    for step in range(steps + 1):
+    warmup = 2 if use_kernels else 1  # compiled kernels: the first steps compile
+    for step in range(steps + warmup):
         torch.cuda.synchronize()
         begin = time.perf_counter()
         stats = engine.train_batch(batch, loss_fn, weight_fn)
         torch.cuda.synchronize()
-        if step:  # the first step warms kernels and allocators
+        if step >= warmup:  # warm-up steps build kernels and fill allocators
             times.append(time.perf_counter() - begin)
     result = {
         "step_s": sum(times) / len(times),
@@ -126,6 +200,8 @@ def run_engine(
         "micro_batches": stats.get("num_micro_batches"),
         "last_loss": stats.get("loss"),
     }
+    if profile:
+        result["profile"] = profile_step(lambda: engine.train_batch(batch, loss_fn, weight_fn))
     engine.destroy()
     return result
 
@@ -192,7 +268,7 @@ def main() -> None:
     parser.add_argument(
         "--engine-mb-tokens",
         type=int,
-        default=32768,
+        default=40960,
         help="engine: packed tokens per micro-batch (no padding waste)",
     )
     parser.add_argument(
@@ -203,13 +279,22 @@ def main() -> None:
     )
     parser.add_argument(
         "--engines",
-        default="fsdp",
-        help="comma-separated engine columns: fsdp (reported as 'engine'), megatron",
+        default="fsdp,fsdp+kernels",
+        help="comma-separated engine columns: fsdp (reported as 'engine'), fsdp+kernels "
+        "(use_kernels: compiled decoder layers and log-prob chunks), megatron",
+    )
+    parser.add_argument(
+        "--logprobs-chunk-size", type=int, default=8192, help="engines: tokens per log-prob chunk"
     )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
-    parser.add_argument("--only", choices=["engine", "megatron", "plain"], default=None)
+    parser.add_argument(
+        "--only", choices=["engine", "engine+kernels", "megatron", "plain"], default=None
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="profile one extra step of each engine column"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -228,20 +313,24 @@ def main() -> None:
         flops = flops_per_step(cfg, seqs)
         results = {}
         engines = {e.strip() for e in args.engines.split(",") if e.strip()}
-        if engines - {"fsdp", "megatron"}:
-            raise SystemExit(f"--engines: unknown {sorted(engines - {'fsdp', 'megatron'})}")
+        known = {"fsdp", "fsdp+kernels", "megatron"}
+        if engines - known:
+            raise SystemExit(f"--engines: unknown {sorted(engines - known)}")
+        engine = functools.partial(
+            run_engine, profile=args.profile, chunk_size=args.logprobs_chunk_size
+        )
         columns = [
-            ("engine", functools.partial(run_engine, backend="fsdp"), args.engine_mb_tokens),
-            ("megatron", functools.partial(run_engine, backend="megatron"),
+            ("engine", "fsdp", functools.partial(engine, backend="fsdp"), args.engine_mb_tokens),
+            ("engine+kernels", "fsdp+kernels",
+             functools.partial(engine, backend="fsdp", use_kernels=True), args.engine_mb_tokens),
+            ("megatron", "megatron", functools.partial(engine, backend="megatron"),
              args.megatron_mb_tokens),
-            ("plain", run_plain, args.mb_tokens),
+            ("plain", None, run_plain, args.mb_tokens),
         ]  # fmt: skip
-        for name, run, budget in columns:
+        for name, key, run, budget in columns:
             if args.only and args.only != name:
                 continue
-            if name == "engine" and "fsdp" not in engines:
-                continue
-            if name == "megatron" and "megatron" not in engines:
+            if key is not None and key not in engines:
                 continue
             torch.cuda.reset_peak_memory_stats()
             try:
@@ -253,6 +342,8 @@ def main() -> None:
             if "step_s" in r:
                 r["tokens_per_s"] = tokens / r["step_s"]
                 r["mfu"] = flops / r["step_s"] / (args.peak_tflops * 1e12)
+            if "profile" in r:
+                print_profile(name, r["profile"])
 
     rows = []
     for name, r in results.items():
@@ -270,6 +361,12 @@ def main() -> None:
             ]
         )
     device = torch.cuda.get_device_name()
+    from areal.engine.attention import _varlen_reads_grouped_kv, varlen_kernel_available
+
+    grouped_kv = varlen_kernel_available() and _varlen_reads_grouped_kv(
+        torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
+    )
+    print(f"varlen attention reads grouped key/value heads natively: {grouped_kv}")
     print(
         "\n"
         + render_table(
@@ -279,16 +376,18 @@ def main() -> None:
             rows,
         )
     )
-    if "engine" in results and "plain" in results and "tokens_per_s" in results["plain"]:
-        speedup = results["engine"].get("tokens_per_s", 0) / results["plain"]["tokens_per_s"]
-        print(f"engine / plain tokens/s: {speedup:.2f}x")
-        results["speedup"] = speedup
+    for name in ("engine", "engine+kernels"):
+        if name in results and "plain" in results and "tokens_per_s" in results["plain"]:
+            speedup = results[name].get("tokens_per_s", 0) / results["plain"]["tokens_per_s"]
+            print(f"{name} / plain tokens/s: {speedup:.2f}x")
+            results["speedup" if name == "engine" else "speedup_kernels"] = speedup
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(
         json.dumps(
             {
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "device": device,
+                "varlen_grouped_kv": grouped_kv,
                 "tokens": tokens,
                 "flops_per_step": flops,
                 "results": results,

@@ -21,6 +21,7 @@ Neither builds a ``[T, T]`` mask: the mask function registered alongside returns
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 from collections.abc import Callable
@@ -113,6 +114,41 @@ def _packed_sdpa(
     return torch.cat(outs, dim=2)[0].transpose(0, 1)
 
 
+@functools.cache
+def _varlen_reads_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the varlen kernel takes fewer key/value heads than query heads as GQA.
+
+    Flash kernels do, but some torch releases neither document it nor take ``enable_gqa``;
+    one tiny call, compared against repeated key/value heads, settles it per device. Without
+    it every key/value head is copied ``Hq / Hkv`` times per layer, forward and backward.
+    """
+    g = torch.Generator(device=device).manual_seed(0)
+    q = torch.randn(12, 4, 64, device=device, dtype=dtype, generator=g)
+    k, v = (torch.randn(12, 2, 64, device=device, dtype=dtype, generator=g) for _ in range(2))
+    upstream = torch.randn(12, 4, 64, device=device, dtype=dtype, generator=g)
+    cu = torch.tensor([0, 5, 12], device=device, dtype=torch.int32)
+    kwargs = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else {"window_size": (-1, 0)}
+
+    def run(repeat: int) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        qq, kk, vv = leaves
+        out = _call_varlen(
+            qq, kk.repeat_interleave(repeat, 1), vv.repeat_interleave(repeat, 1), cu, 7, kwargs
+        )
+        grads = torch.autograd.grad((out * upstream).sum(), leaves)
+        return [out, *grads]
+
+    try:
+        with torch.enable_grad():
+            grouped, repeated = run(1), run(2)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    return all(
+        a.shape == b.shape and torch.allclose(a, b, atol=1e-2, rtol=1e-2)
+        for a, b in zip(grouped, repeated, strict=True)
+    )
+
+
 def _packed_varlen(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -136,9 +172,13 @@ def _packed_varlen(
     if n_rep > 1:
         if "enable_gqa" in _VARLEN_PARAMS:
             kwargs["enable_gqa"] = True
-        else:
+        elif not _varlen_reads_grouped_kv(query.device, query.dtype):
             key = key.repeat_interleave(n_rep, dim=1)
             value = value.repeat_interleave(n_rep, dim=1)
+    return _call_varlen(query, key, value, cu_seqlens, max_seqlen, kwargs)
+
+
+def _call_varlen(query, key, value, cu_seqlens, max_seqlen, kwargs) -> torch.Tensor:
     cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
     return _VARLEN_ATTN(
         query.contiguous(),
@@ -152,6 +192,7 @@ def _packed_varlen(
     )
 
 
+@torch.compiler.disable
 def packed_causal_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -168,7 +209,8 @@ def packed_causal_attention(
     query head ``h`` reads key/value head ``h // (Hq // Hkv)``); ``cu_seqlens`` ``[n + 1]``
     from 0 to T (checked by the SDPA loop only: the kernel path avoids a host sync).
     Returns ``[T, Hq, D]``. ``backend="auto"`` takes the varlen kernel for CUDA bf16/fp16
-    inputs when it exists and the exact SDPA loop otherwise.
+    inputs when it exists and the exact SDPA loop otherwise. Never traced by
+    ``torch.compile`` (compiled decoder layers call it as an opaque function).
     """
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")

@@ -58,12 +58,78 @@ def _addmm_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
         acc += (a @ b).to(acc.dtype)
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float, dtype: torch.dtype):
-    # The GEMM runs in the inputs' dtype (tensor cores for bf16); everything after in ``dtype``.
-    logits = _mm(h.to(weight.dtype), weight.T, dtype)
-    if temperature != 1.0:
-        logits.div_(temperature)
-    return logits
+def _chunk_stats(
+    logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(lse, logp, entropy)`` of one chunk's raw logits ``[n, V]``, in place on ``logits``."""
+    if inv_temperature != 1.0:
+        logits.mul_(inv_temperature)
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels[:, None])[:, 0] - lse
+    if not with_entropy:
+        return lse, logp, None
+    # H = sum_v p_v * (lse - logit_v): non-negative terms, no cancellation.
+    neg_logp = logits.neg_().add_(lse[:, None])
+    return lse, logp, neg_logp.neg().exp_().mul_(neg_logp).sum(-1)
+
+
+def _chunk_grad(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    labels: torch.Tensor,
+    grad_logp: torch.Tensor,
+    inv_temperature: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """d loss / d raw logits, ``(1[v == label] - p_v) * grad_logp / temperature``, in place."""
+    scale = grad_logp.to(logits.dtype) * inv_temperature
+    if inv_temperature != 1.0:
+        logits.mul_(inv_temperature)
+    grad = logits.sub_(lse[:, None]).exp_().mul_(-scale[:, None])
+    grad.scatter_add_(-1, labels[:, None], scale[:, None])
+    return grad.to(out_dtype)
+
+
+def _chunk_stats_pure(
+    logits: torch.Tensor, labels: torch.Tensor, inv_temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """:func:`_chunk_stats` without mutation, the form the compiler fuses best."""
+    scaled = logits * inv_temperature
+    lse = torch.logsumexp(scaled, dim=-1)
+    logp = scaled.gather(-1, labels[:, None])[:, 0] - lse
+    if not with_entropy:
+        return lse, logp, None
+    neg_logp = lse[:, None] - scaled
+    return lse, logp, (neg_logp.neg().exp() * neg_logp).sum(-1)
+
+
+def _chunk_grad_pure(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    labels: torch.Tensor,
+    grad_logp: torch.Tensor,
+    inv_temperature: float,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """:func:`_chunk_grad` without mutation: one read of the logits, one write of the result."""
+    scale = (grad_logp.to(logits.dtype) * inv_temperature)[:, None]
+    probs = (logits * inv_temperature - lse[:, None]).exp()
+    vocab = torch.arange(logits.shape[-1], device=logits.device)
+    hit = (vocab[None, :] == labels[:, None]).to(logits.dtype)
+    return ((hit - probs) * scale).to(out_dtype)
+
+
+@functools.cache
+def _fused_kernels():
+    """``torch.compile`` of the chunk functions: one or two passes over the logits, not ~8."""
+    return (
+        torch.compile(_chunk_stats_pure, dynamic=True),
+        torch.compile(_chunk_grad_pure, dynamic=True),
+    )
+
+
+def _kernels(fused: bool):
+    return _fused_kernels() if fused else (_chunk_stats, _chunk_grad)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -76,26 +142,29 @@ class _ChunkedLogprobs(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         with_entropy: bool,
+        fused: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = _compute_dtype(hidden, weight_in)
         weight = weight_in.to(torch.promote_types(hidden.dtype, weight_in.dtype))
+        stats, _ = _kernels(fused)
         n_tokens = hidden.shape[0]
         logp = torch.empty(n_tokens, dtype=dtype, device=hidden.device)
         lse = torch.empty(n_tokens, dtype=dtype, device=hidden.device)
         entropy = torch.empty(n_tokens if with_entropy else 0, dtype=dtype, device=hidden.device)
         for start in range(0, n_tokens, chunk_size):
             end = min(start + chunk_size, n_tokens)
-            logits = _chunk_logits(hidden[start:end], weight, temperature, dtype)
-            chunk_lse = torch.logsumexp(logits, dim=-1)
+            logits = _mm(hidden[start:end].to(weight.dtype), weight.T, dtype)
+            chunk_lse, chunk_logp, chunk_entropy = stats(
+                logits, labels[start:end], 1.0 / temperature, with_entropy
+            )
             lse[start:end] = chunk_lse
-            logp[start:end] = logits.gather(-1, labels[start:end, None])[:, 0] - chunk_lse
+            logp[start:end] = chunk_logp
             if with_entropy:
-                # H = sum_v p_v * (lse - logit_v): non-negative terms, no cancellation.
-                neg_logp = chunk_lse[:, None] - logits
-                entropy[start:end] = neg_logp.neg().exp_().mul_(neg_logp).sum(-1)
+                entropy[start:end] = chunk_entropy
         ctx.save_for_backward(hidden, weight_in, labels, lse)
         ctx.temperature = temperature
         ctx.chunk_size = chunk_size
+        ctx.fused = fused
         ctx.mark_non_differentiable(entropy)
         return logp, entropy
 
@@ -107,6 +176,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dtype = lse.dtype
         weight = weight_in.to(torch.promote_types(hidden.dtype, weight_in.dtype))
+        _, grad_fn = _kernels(ctx.fused)
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Summed over chunks in fp32 (fp64 for fp64 inputs), cast to the weight's dtype once.
         grad_weight = (
@@ -115,20 +185,23 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h = hidden[start:end].to(weight.dtype)
-            # d logp_t / d logit_v = (1[v == label_t] - p_v) / temperature, built in place.
-            grad_logits = _chunk_logits(h, weight, temperature, dtype)
-            grad_logits.sub_(lse[start:end, None]).exp_()
-            scale = grad_logp[start:end].to(dtype) / temperature
-            grad_logits.mul_(-scale[:, None])
-            grad_logits.scatter_add_(-1, labels[start:end, None], scale[:, None])
-            grad_logits = grad_logits.to(weight.dtype)
+            logits = _mm(h, weight.T, dtype)
+            grad_logits = grad_fn(
+                logits,
+                lse[start:end],
+                labels[start:end],
+                grad_logp[start:end],
+                1.0 / temperature,
+                weight.dtype,
+            )
+            del logits
             if need_hidden:
                 grad_hidden[start:end] = grad_logits @ weight
             if need_weight:
                 _addmm_(grad_weight, grad_logits.T, h)
         if need_weight:
             grad_weight = grad_weight.to(weight_in.dtype)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def gather_logprobs(
@@ -138,6 +211,7 @@ def gather_logprobs(
     temperature: float = 1.0,
     chunk_size: int = 1024,
     with_entropy: bool = True,
+    fused: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probability of ``labels`` under ``softmax(hidden @ weight.T / temperature)``.
 
@@ -145,6 +219,10 @@ def gather_logprobs(
     ``labels`` ``[T]`` long. Returns ``(logp [T], entropy [T] or None)`` in float32 (float64
     for float64 inputs). ``logp`` is differentiable w.r.t. ``hidden`` and ``weight``, whose
     gradients come back in their own dtypes; ``entropy`` is detached.
+
+    ``fused``: run each chunk's softmax statistics and logit gradient as ``torch.compile``
+    kernels (one or two passes over the ``[chunk, V]`` block instead of one per op); the
+    first call per process compiles them. Same maths, float rounding aside.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(
@@ -155,7 +233,13 @@ def gather_logprobs(
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
     logp, entropy = _ChunkedLogprobs.apply(
-        hidden, weight, labels.long(), float(temperature), int(chunk_size), with_entropy
+        hidden,
+        weight,
+        labels.long(),
+        float(temperature),
+        int(chunk_size),
+        with_entropy,
+        bool(fused),
     )
     return logp, (entropy if with_entropy else None)
 

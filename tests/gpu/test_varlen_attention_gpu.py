@@ -63,6 +63,21 @@ def test_varlen_kernel_matches_sdpa_loop_bf16_gqa():
 
 
 @pytest.mark.skipif(not varlen_kernel_available(), reason="torch has no varlen_attn kernel")
+def test_grouped_kv_and_repeated_kv_paths_agree(monkeypatch):
+    """Whatever the probe decides (printed), both GQA paths give the same out and grads."""
+    import areal.engine.attention as attention
+
+    native = attention._varlen_reads_grouped_kv(torch.device("cuda", 0), torch.bfloat16)
+    print(f"varlen kernel reads grouped key/value heads natively: {native}")
+    default = _run("varlen", torch.bfloat16)
+    monkeypatch.setattr(attention, "_varlen_reads_grouped_kv", lambda *a: False)
+    repeated = _run("varlen", torch.bfloat16)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), default, repeated):
+        assert a.shape == b.shape, name
+        assert _rel_err(a, b) < 1e-2, name
+
+
+@pytest.mark.skipif(not varlen_kernel_available(), reason="torch has no varlen_attn kernel")
 def test_auto_backend_picks_varlen_for_bf16_cuda(monkeypatch):
     import areal.engine.attention as attention
 

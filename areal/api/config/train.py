@@ -319,7 +319,10 @@ class TrainEngineConfig(ConfigNode):
     attn_impl: str = cfg_field(
         "flash_attention_2", help="HF attention implementation.", choices=ATTN_IMPLS
     )
-    use_kernels: bool = cfg_field(False, help="Use fused kernels where available.")
+    use_kernels: bool = cfg_field(
+        False,
+        help="Fused kernels (FSDP): torch.compile the decoder layers and the log-prob chunks.",
+    )
     init_from_scratch: bool = cfg_field(False, help="Random init from the config, no weights.")
     is_critic: bool = cfg_field(False, help="Value head instead of an LM head.")
     temperature: float = cfg_field(1.0, help="Logits are divided by this before log-probs.")

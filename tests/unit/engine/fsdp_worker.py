@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--mb-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--use-kernels", action="store_true")
     args = parser.parse_args()
 
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
@@ -47,6 +48,7 @@ def main() -> None:
         trial_name="fsdp-worker",
         path=args.model,
         dtype=args.dtype,
+        use_kernels=args.use_kernels,
         mb_spec=MicroBatchSpec(max_tokens_per_mb=args.mb_tokens),
         optimizer=OptimizerConfig(type="sgd", lr=1.0, weight_decay=0.0, gradient_clipping=0.0),
     )
