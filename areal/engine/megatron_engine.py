@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import json
 import math
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,6 +174,44 @@ def _fix_bridge(bridge: Any) -> None:
     bridge._MLP_MAPPING = {**LOCAL_SPEC_MLP, **type(bridge)._MLP_MAPPING}
     bridge._get_transformer_layer_spec = functools.partial(_local_layer_spec, bridge)
     bridge.has_vp_stage = True
+    if getattr(hf, "num_experts", None):
+        _define_missing_te_gemm()
+        original = bridge._weight_name_mapping_mcore_local_to_global
+        bridge._weight_name_mapping_mcore_local_to_global = functools.partial(
+            _grouped_expert_names, bridge, original
+        )
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's MoE router reads ``te_general_gemm`` from ``moe_utils``, which
+    only defines it when Transformer Engine imports; without TE the router raised
+    NameError. ``None`` is the value its own fallback (a plain matmul) tests for."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+_LOCAL_EXPERT = re.compile(r"(.*\.mlp\.experts)\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+
+
+def _grouped_expert_names(bridge: Any, original: Any, model: Any, consider_ep: bool = True):
+    """mbridge's local-to-global name map, with local experts named as grouped ones.
+
+    Without Transformer Engine, Megatron builds MoE experts as ``SequentialMLP``, whose
+    parameters are ``...mlp.experts.local_experts.{i}.linear_fc1.weight``; mbridge's HF
+    mappings know the grouped names ``...mlp.experts.linear_fc1.weight{i}``. Expert
+    indices become global (``i + experts_per_rank * ep_rank``) when ``consider_ep``.
+    """
+    names = original(model, consider_ep=False)  # pipeline layer numbering only
+    per_rank = bridge.config.num_moe_experts // bridge.mpu.ep_size
+    offset = per_rank * bridge.mpu.ep_rank if consider_ep else 0
+    for local, name in names.items():
+        match = _LOCAL_EXPERT.match(name)
+        if match:
+            prefix, index, linear = match.groups()
+            names[local] = f"{prefix}.{linear}.weight{int(index) + offset}"
+    return names
 
 
 def _fp32_lm_head(module: torch.nn.Module, args: tuple, kwargs: dict):

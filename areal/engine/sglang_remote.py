@@ -191,6 +191,7 @@ class RemoteInfEngine(InferenceEngine):
         """
         import sys
 
+        from areal.proxy.plugins import load_message_preprocessors, load_prefix_matcher
         from areal.utils.secrets import reveal
 
         agent = self.config.agent
@@ -228,6 +229,13 @@ class RemoteInfEngine(InferenceEngine):
         ]
         if agent.engine_max_tokens is not None:  # caps prompt + completion of every call
             cmd += ["--engine-max-tokens", str(agent.engine_max_tokens)]
+        # Plugins are imported here first, so a bad path fails naming its config field.
+        load_message_preprocessors(agent.message_preprocessors or [])
+        load_prefix_matcher(agent.prefix_matcher)
+        for path in agent.message_preprocessors or []:
+            cmd += ["--message-preprocessor", path]
+        if agent.prefix_matcher:
+            cmd += ["--prefix-matcher", agent.prefix_matcher]
         info = self._start_healthy(cmd, {**os.environ, "SWE_RL_ADMIN_API_KEY": admin}, host, port)
         self.local_proxies.append(info)
         self._tell_proxies("/rl/set_version", {"version": self._version})

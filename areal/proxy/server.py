@@ -396,6 +396,16 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--session-timeout", type=float, default=3600.0)
     parser.add_argument("--request-timeout", type=float, default=3600.0)
     parser.add_argument("--log-level", default="warning")
+    parser.add_argument(
+        "--message-preprocessor",
+        action="append",
+        default=[],
+        metavar="DOTTED.PATH",
+        help="a preprocessor class (repeatable, applied in order)",
+    )
+    parser.add_argument(
+        "--prefix-matcher", default=None, metavar="DOTTED.PATH", help="parent matcher function"
+    )
     return parser
 
 
@@ -406,6 +416,7 @@ def main(argv: list[str] | None = None) -> None:
     from areal.api.cli_args import InferenceEngineConfig
     from areal.engine.sglang_remote import RemoteSGLangEngine
     from areal.proxy.parsers import get_reasoning_parser_or_none, get_tool_call_parser_or_none
+    from areal.proxy.plugins import load_message_preprocessors, load_prefix_matcher
 
     args = _parser().parse_args(argv)
     admin_key = os.environ.get("SWE_RL_ADMIN_API_KEY", "")
@@ -419,6 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         tool_parser = get_tool_call_parser_or_none(args.tool_call_parser)
         reasoning_parser = get_reasoning_parser_or_none(args.reasoning_parser)
+        preprocessors = load_message_preprocessors(args.message_preprocessor)
+        prefix_matcher = load_prefix_matcher(args.prefix_matcher)
         validate_admin_key(admin_key, args.host)
     except ValueError as e:
         print(f"areal.proxy.server: error: {e}", file=sys.stderr)
@@ -438,6 +451,8 @@ def main(argv: list[str] | None = None) -> None:
         chat_template_type=args.chat_template_type,
         engine_max_tokens=args.engine_max_tokens,
         session_timeout=args.session_timeout,
+        preprocessors=preprocessors,
+        prefix_matcher=prefix_matcher,
     )
     server.chat.warm_up()
     # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the

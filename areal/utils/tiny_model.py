@@ -164,15 +164,27 @@ def build_tiny_model(
     seed: int = 0,
     dtype: str = "float32",
     tie_word_embeddings: bool = False,
+    num_experts: int = 4,
+    num_experts_per_tok: int = 2,
 ) -> Path:
     """Write a randomly initialized model plus tokenizer to ``path``; returns the path.
+
+    ``arch``: ``qwen3``, ``qwen2`` or ``qwen3_moe`` (every layer a mixture of
+    ``num_experts`` experts of ``intermediate_size``, ``num_experts_per_tok`` routed per
+    token, normalized top-k weights).
 
     ``vocab_size`` defaults to the tokenizer's size; a larger value (e.g. 151936 for a
     Qwen2-0.5B-shaped model) is allowed, the extra ids are simply never produced by the
     tokenizer.
     """
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config, Qwen3Config
+    from transformers import (
+        AutoModelForCausalLM,
+        GenerationConfig,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
@@ -197,8 +209,19 @@ def build_tiny_model(
         config = Qwen3Config(head_dim=hidden_size // num_heads, **common)
     elif arch == "qwen2":
         config = Qwen2Config(**common)
+    elif arch == "qwen3_moe":
+        config = Qwen3MoeConfig(
+            head_dim=hidden_size // num_heads,
+            num_experts=num_experts,
+            num_experts_per_tok=num_experts_per_tok,
+            moe_intermediate_size=intermediate_size,
+            decoder_sparse_step=1,
+            norm_topk_prob=True,
+            mlp_only_layers=[],
+            **common,
+        )
     else:
-        raise ValueError(f"arch must be 'qwen3' or 'qwen2', got {arch!r}")
+        raise ValueError(f"arch must be 'qwen3', 'qwen2' or 'qwen3_moe', got {arch!r}")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad)

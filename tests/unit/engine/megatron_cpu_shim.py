@@ -48,6 +48,26 @@ class _TorchOnCPU:
         return on_cpu
 
 
+class _HostStream:
+    """Stands in for the side CUDA stream of Megatron's all-to-all MoE token dispatcher.
+
+    It is also what ``torch.cuda.current_stream()`` returns under the shim, so the
+    dispatcher sees itself on its own stream and skips ``record_stream`` calls.
+    """
+
+    def wait_stream(self, other: Any) -> None:
+        del other
+
+    def record_event(self) -> Any:
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
 def _patch(owner: Any, name: str, value: Any) -> None:
     _SAVED.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
@@ -85,6 +105,13 @@ def apply() -> None:
 
     for module in (clip_grads, mcore_optimizer, schedules, mcore_utils):
         _patch(module, "torch", _TorchOnCPU())
+    # MoE: the all-to-all token dispatcher (the one that takes packed, variable-length
+    # micro-batches) copies routing counts to the host on a side CUDA stream
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    _patch(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _HOST_STREAM)
+    _patch(torch.cuda, "current_stream", lambda device=None: _HOST_STREAM)
+    _patch(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
 
 
 def restore() -> None:
