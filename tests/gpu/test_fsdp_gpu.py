@@ -81,8 +81,29 @@ def test_fsdp2_step_on_two_gpus_matches_one(qwen2_05b, tmp_path):
     assert two["stats"]["grad_norm"] == pytest.approx(one["stats"]["grad_norm"], rel=5e-2)
 
 
+def _megatron_importable() -> bool:
+    try:
+        import mbridge  # noqa: F401
+        import megatron.core  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
 @pytest.mark.skipif(not two_gpus(), reason="needs two CUDA GPUs")
-def test_nccl_weight_broadcast_reaches_the_inference_server(qwen2_05b, tmp_path):
+@pytest.mark.parametrize(
+    "backend",
+    [
+        "fsdp",
+        pytest.param(
+            "megatron",
+            marks=pytest.mark.skipif(not _megatron_importable(), reason="needs megatron-core"),
+        ),
+    ],
+)
+def test_nccl_weight_broadcast_reaches_the_inference_server(qwen2_05b, tmp_path, backend):
+    """Either trainer broadcasts HF-named weights over NCCL; the server then generates exactly
+    what it generates after loading the trainer's HF checkpoint from disk."""
     port = find_free_port("127.0.0.1")
     server = subprocess.Popen(
         [sys.executable, "-m", "areal.inference.server", "--model-path", str(qwen2_05b),
@@ -93,7 +114,8 @@ def test_nccl_weight_broadcast_reaches_the_inference_server(qwen2_05b, tmp_path)
         out = tmp_path / "sync.json"
         subprocess.run(
             [sys.executable, "-m", "tests.gpu.weight_sync_worker", "--model", str(qwen2_05b),
-             "--server", f"127.0.0.1:{port}", "--out", str(out), "--work", str(tmp_path)],
+             "--server", f"127.0.0.1:{port}", "--out", str(out), "--work", str(tmp_path),
+             "--backend", backend],
             cwd=REPO, env=env(CUDA_VISIBLE_DEVICES="0"), check=True, timeout=400,
         )  # fmt: skip
         result = json.loads(out.read_text())

@@ -30,6 +30,7 @@ def main() -> None:
     parser.add_argument("--server", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--work", required=True)
+    parser.add_argument("--backend", default="fsdp", choices=["fsdp", "megatron"])
     args = parser.parse_args()
 
     from areal.api.cli_args import (
@@ -45,7 +46,11 @@ def main() -> None:
     from tests.unit.engine.fsdp_worker import fixed_batch, token_mean_nll
 
     wait_healthy(args.server, timeout=300, what="inference server")
-    engine = FSDPEngine(
+    if args.backend == "megatron":
+        from areal.engine.megatron_engine import MegatronEngine as Engine
+    else:
+        Engine = FSDPEngine  # noqa: N806
+    engine = Engine(
         TrainEngineConfig(
             experiment_name="gpu-test",
             trial_name="weight-sync",
