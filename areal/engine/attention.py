@@ -122,6 +122,12 @@ def _varlen_reads_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:
     one tiny call, compared against repeated key/value heads, settles it per device. Without
     it every key/value head is copied ``Hq / Hkv`` times per layer, forward and backward.
     """
+    # its own autograd context: the first caller may be inside no_grad or inference_mode
+    with torch.inference_mode(False), torch.enable_grad():
+        return _probe_grouped_kv(device, dtype)
+
+
+def _probe_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:
     g = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(12, 4, 64, device=device, dtype=dtype, generator=g)
     k, v = (torch.randn(12, 2, 64, device=device, dtype=dtype, generator=g) for _ in range(2))
@@ -139,8 +145,7 @@ def _varlen_reads_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:
         return [out, *grads]
 
     try:
-        with torch.enable_grad():
-            grouped, repeated = run(1), run(2)
+        grouped, repeated = run(1), run(2)
     except (RuntimeError, ValueError, TypeError):
         return False
     return all(

@@ -312,3 +312,35 @@ def test_packed_attention_skips_empty_segments_and_checks_heads():
         packed_causal_attention(q, torch.randn(10, 3, 8), torch.randn(10, 3, 8), cu, 6)
     with pytest.raises(ValueError, match="from 0 to 10"):
         packed_causal_attention(q, kv, kv, torch.tensor([0, 4, 12]), 8, backend="sdpa")
+
+
+@pytest.mark.parametrize("grouped_ok", [True, False])
+def test_grouped_kv_probe_decides_and_runs_in_any_grad_mode(monkeypatch, grouped_ok):
+    """The probe behind native GQA in the varlen path (CUDA in practice; here a CPU stand-in
+    kernel): True when grouped key/value heads give the repeated-heads result, forward and
+    backward; False when the kernel refuses them. Its first call may come from inside
+    ``inference_mode`` (generation) and must still be able to run autograd."""
+    import areal.engine.attention as attention
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True):
+        if not grouped_ok and k.shape[1] != q.shape[1]:
+            raise RuntimeError("number of heads in key/value must equal query")
+        return attention._packed_sdpa(q, k, v, cu_q, None)
+
+    monkeypatch.setattr(attention, "_VARLEN_ATTN", stand_in)
+    monkeypatch.setattr(attention, "_VARLEN_PARAMS", frozenset({"is_causal"}))
+    attention._varlen_reads_grouped_kv.cache_clear()
+    try:
+        with torch.inference_mode():
+            decided = attention._varlen_reads_grouped_kv(torch.device("cpu"), torch.float32)
+        assert decided is grouped_ok
+        # the packed path follows the decision: grouped heads reach the kernel only if True
+        seen = []
+        monkeypatch.setattr(
+            attention, "_call_varlen", lambda q, k, *a: seen.append(k.shape[1]) or q.clone()
+        )
+        q, k, v = torch.randn(6, 4, 8), torch.randn(6, 2, 8), torch.randn(6, 2, 8)
+        attention._packed_varlen(q, k, v, torch.tensor([0, 6]), 6, None)
+        assert seen == [2 if grouped_ok else 4]
+    finally:
+        attention._varlen_reads_grouped_kv.cache_clear()
