@@ -114,6 +114,14 @@ def _packed_sdpa(
     return torch.cat(outs, dim=2)[0].transpose(0, 1)
 
 
+def _causal_kwargs() -> dict[str, Any]:
+    """How this torch release's varlen kernel is asked for a causal mask."""
+    if "is_causal" in _VARLEN_PARAMS:
+        return {"is_causal": True}
+    # Releases without ``is_causal`` test ``window_size == (-1, 0)``: it must be a tuple.
+    return {"window_size": (-1, 0)}
+
+
 @functools.cache
 def _varlen_reads_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether the varlen kernel takes fewer key/value heads than query heads as GQA.
@@ -133,7 +141,7 @@ def _probe_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:
     k, v = (torch.randn(12, 2, 64, device=device, dtype=dtype, generator=g) for _ in range(2))
     upstream = torch.randn(12, 4, 64, device=device, dtype=dtype, generator=g)
     cu = torch.tensor([0, 5, 12], device=device, dtype=torch.int32)
-    kwargs = {"is_causal": True} if "is_causal" in _VARLEN_PARAMS else {"window_size": (-1, 0)}
+    kwargs = _causal_kwargs()
 
     def run(repeat: int) -> list[torch.Tensor]:
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -163,12 +171,7 @@ def _packed_varlen(
     scale: float | None,
 ) -> torch.Tensor:
     assert _VARLEN_ATTN is not None
-    kwargs: dict[str, Any] = {}
-    if "is_causal" in _VARLEN_PARAMS:
-        kwargs["is_causal"] = True
-    else:
-        # Releases without ``is_causal`` test ``window_size == (-1, 0)``: it must be a tuple.
-        kwargs["window_size"] = (-1, 0)
+    kwargs = _causal_kwargs()
     if "scale" in _VARLEN_PARAMS:
         kwargs["scale"] = scale
     elif scale is not None and scale != query.shape[-1] ** -0.5:

@@ -159,6 +159,13 @@ def compile_decoder_layers(layers: list[nn.Module]) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
+def mask_last_tokens(logp: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``logp [B, L]`` with 0 wherever no next real token exists (padding, last real token)."""
+    has_next = torch.zeros_like(logp, dtype=torch.bool)
+    has_next[:, :-1] = attention_mask[:, 1:].to(logp.device)
+    return logp * has_next
+
+
 def _flat(mb: dict[str, Any]) -> dict[str, Any]:
     """The micro-batch with per-token ``[1, T]`` tensors flattened to ``[T]``."""
     return {
@@ -358,9 +365,7 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             mb_list = self._micro_batches(input_)
             outputs = [self._forward(mb)[0] for mb in mb_list.mbs]
             logp = mb_list.to_padded(outputs, pad_value=0.0).to(torch.float32)
-            has_next = torch.zeros_like(logp, dtype=torch.bool)
-            has_next[:, :-1] = input_["attention_mask"][:, 1:].to(logp.device)
-            return logp * has_next  # the last real token scores nothing
+            return mask_last_tokens(logp, input_["attention_mask"])
         finally:
             self.train(was_training)
 

@@ -53,6 +53,7 @@ from areal.engine.fsdp_engine import (
     WeightFn,
     _flat,
     init_default_process_group,
+    mask_last_tokens,
     to_dtype,
 )
 from areal.engine.logprobs import next_token_labels
@@ -606,9 +607,7 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
                 logp = logp.to(torch.float32)
             shape = tuple(input_["attention_mask"].shape)
             logp = self._broadcast_from_last_stage(logp, shape, torch.float32)
-            has_next = torch.zeros_like(logp, dtype=torch.bool)
-            has_next[:, :-1] = input_["attention_mask"][:, 1:].to(logp.device)
-            return logp * has_next  # the last real token scores nothing
+            return mask_last_tokens(logp, input_["attention_mask"])
         finally:
             self.train(was_training)
 
