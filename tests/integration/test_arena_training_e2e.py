@@ -119,7 +119,11 @@ def test_two_streams_two_steps_per_route_mode(tmp_path, tiny_model, mode):
     assert len(tasks) == STEPS * PROMPTS * SAMPLES
     # mixture mass = rows x weight = 40 x 2 : 16 x 1, so an epoch of 6 rows holds 5 + 1
     assert Counter(t["stream_id"] for t in tasks) == {"arith-easy": 10, "py-funcs": 2}
-    assert all(t["status"] in ("DONE", "OK") for t in tasks), Counter(t["status"] for t in tasks)
+    # NO_OUTPUT is a model outcome, not an infrastructure failure: a random tiny model
+    # sometimes samples end-of-turn as its first token (seen once in CI, direct mode)
+    statuses = Counter(t["status"] for t in tasks)
+    assert set(statuses) <= {"DONE", "OK", "NO_OUTPUT"}, statuses
+    assert statuses["DONE"] + statuses["OK"] > len(tasks) // 2, statuses
 
     names = [t["model_name"] for t in tasks]
     if mode == "gateway":  # one registration per rollout, each deleted afterwards

@@ -81,7 +81,10 @@ def check_one_step(root: Path, stats: list[dict]) -> None:
     ]
     # one record per Arena task: the step's 4, plus any launched ahead (off-policyness 1)
     assert len(records) >= 4
-    assert all(r["status"] in ("DONE", "OK") for r in records), [r["status"] for r in records]
+    # NO_OUTPUT is a model outcome (a random tiny model may sample end-of-turn first)
+    statuses = [r["status"] for r in records]
+    assert set(statuses) <= {"DONE", "OK", "NO_OUTPUT"}, statuses
+    assert statuses.count("DONE") + statuses.count("OK") > 0, statuses
 
 
 def test_flash_v3_mini_trains_one_step_on_cpu(tmp_path, tiny_model):
