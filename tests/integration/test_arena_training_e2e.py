@@ -141,7 +141,10 @@ def test_two_streams_two_steps_per_route_mode(tmp_path, tiny_model, mode):
     scores = {t["task_id"]: t["score"] for t in tasks}
     for record in records:
         assert record["arena_score"] == scores[record["task_id"]]
-        assert record["training_score"] == record["arena_score"]  # no transform configured
+        if record["status"] == "NO_OUTPUT":  # no score; the model failed after its calls: 0
+            assert record["arena_score"] is None and record["training_score"] == 0.0, record
+        else:
+            assert record["training_score"] == record["arena_score"]  # no transform configured
 
 
 def _fault_catalog(root: Path, faults: dict) -> Path:
@@ -155,6 +158,12 @@ def _fault_catalog(root: Path, faults: dict) -> Path:
     return path
 
 
+def _agent_phase_error(record: dict) -> bool:
+    """Whether the audited raw result carries the injected agent-phase error text."""
+    error = str((record.get("raw") or {}).get("error") or "")
+    return "agent phase error: claude reported error" in error
+
+
 def test_faults_are_retried_trained_as_zero_or_rejected(tmp_path, tiny_model):
     rows = [
         json.loads(line)
@@ -164,12 +173,13 @@ def test_faults_are_retried_trained_as_zero_or_rejected(tmp_path, tiny_model):
         if line.strip()
     ]
     harness_failed, setup_failed = rows[0]["data_id"], rows[1]["data_id"]
+    no_output = rows[2]["data_id"]
     catalog = _fault_catalog(
         tmp_path,
         {
             "error_rates": {"429": 0.05, "500": 0.05},
             "seed": 7,
-            "fail_after_harness": {harness_failed: "HARNESS_FAILED"},
+            "fail_after_harness": {harness_failed: "HARNESS_FAILED", no_output: "NO_OUTPUT"},
             "force_status": {setup_failed: "SETUP_FAILED"},
             "route_ttl_seconds": 3,
         },
@@ -185,18 +195,31 @@ def test_faults_are_retried_trained_as_zero_or_rejected(tmp_path, tiny_model):
     tasks = _tasks(tmp_path, "session_gateway")
     statuses = Counter(t["status"] for t in tasks)
     assert statuses["HARNESS_FAILED"] >= 1 and statuses["SETUP_FAILED"] >= 1
+    assert statuses["NO_OUTPUT"] >= 1
     assert len(_stats(tmp_path, "session_gateway")) == STEPS  # training went on
 
     records = {r["task_id"]: r for r in _audit(tmp_path, "session_gateway")}
     assert set(records) == {t["task_id"] for t in tasks}  # no task result lost
+    trained_as_zero = Counter()
     for task in tasks:
         record = records[task["task_id"]]
-        if task["data_id"] == harness_failed:
-            assert record["status"] == "HARNESS_FAILED"
+        if record["status"] == "HARNESS_FAILED" and not _agent_phase_error(record):
+            # The harness's own LLM call failed: the gateway route was garbage-collected
+            # (TTL 3 s) and not yet restored by the 1 s probe. Not attributable to the
+            # model, so rejected. A race this test provokes on purpose; seen once in CI.
+            assert record["training_score"] is None, record
+            continue
+        if task["data_id"] in (harness_failed, no_output):
+            assert record["status"] == (
+                "HARNESS_FAILED" if task["data_id"] == harness_failed else "NO_OUTPUT"
+            )
+            assert record["arena_score"] is None
             assert record["training_score"] == 0.0  # the model's failure, trained as 0
+            trained_as_zero[record["status"]] += 1
         elif task["data_id"] == setup_failed:
             assert record["status"] == "SETUP_FAILED"
             assert record["training_score"] is None  # rejected
+    assert trained_as_zero["HARNESS_FAILED"] >= 1 and trained_as_zero["NO_OUTPUT"] >= 1
     # the garbage-collected route came back under the same name
     names = {t["model_name"] for t in tasks}
     assert len(names) == 1
