@@ -14,15 +14,13 @@ import json
 import os
 import secrets
 import sqlite3
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
 import yaml
 
-from areal.api.scheduler_api import RPC_TOKEN_ENV
+from tests.helpers.arena_jobs import local_arena_env, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -32,31 +30,11 @@ DEFAULT_CATALOG = REPO / "examples" / "swe" / "local_arena" / "catalogs" / "defa
 STEPS, PROMPTS, SAMPLES = 2, 3, 2
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from areal.utils.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-
-
 def _train(root: Path, model: Path, mode: str, *overrides: str, env: dict | None = None) -> str:
-    admin = secrets.token_urlsafe(24)
-    full_env = {
-        **os.environ,
-        "AREAL_FILEROOT": str(root),
-        "MODEL_PATH": str(model),
-        "SWE_RL_ADMIN_API_KEY": admin,
-        "ARENA_ROUTE_MODE": mode,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(REPO),
-        **(env or {}),
-    }
-    for name in ("ARENA_OPENAPI_BASE", "ARENA_OPENAPI_TOKEN", "ARENA_LLM_API_KEY", RPC_TOKEN_ENV):
-        full_env.pop(name, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "examples.swe.train_swe_rl",
+    full_env = local_arena_env(
+        root, model, secrets.token_urlsafe(24), ARENA_ROUTE_MODE=mode, **(env or {})
+    )
+    args = [
         "--config",
         str(PROFILE),
         f"trial_name={mode}",
@@ -68,11 +46,7 @@ def _train(root: Path, model: Path, mode: str, *overrides: str, env: dict | None
         "train_dataset.shuffle=false",
         *overrides,
     ]
-    done = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=600)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    assert admin not in output
-    return output
+    return run_entry("examples.swe.train_swe_rl", args, full_env, timeout=600)
 
 
 def _arena_db(root: Path, trial: str) -> sqlite3.Connection:
@@ -109,8 +83,8 @@ def _stats(root: Path, trial: str) -> list[dict]:
 
 
 @pytest.mark.parametrize("mode", ["gateway", "session_gateway", "direct"])
-def test_two_streams_two_steps_per_route_mode(tmp_path, tiny_model, mode):
-    _train(tmp_path, tiny_model, mode)
+def test_two_streams_two_steps_per_route_mode(tmp_path, tiny_model_dir, mode):
+    _train(tmp_path, tiny_model_dir, mode)
 
     stats = _stats(tmp_path, mode)
     assert [s["global_step"] for s in stats] == list(range(STEPS))
@@ -147,11 +121,17 @@ def test_two_streams_two_steps_per_route_mode(tmp_path, tiny_model, mode):
             assert record["training_score"] == record["arena_score"]  # no transform configured
 
 
-def _fault_catalog(root: Path, faults: dict) -> Path:
+def _default_catalog() -> dict:
+    """The default catalog with its dataset files made absolute, to be edited and saved."""
     document = yaml.safe_load(DEFAULT_CATALOG.read_text())
     for spec in document["datasets"].values():
         if "file" in spec:
             spec["file"] = str((DEFAULT_CATALOG.parent / spec["file"]).resolve())
+    return document
+
+
+def _fault_catalog(root: Path, faults: dict) -> Path:
+    document = _default_catalog()
     document["faults"] = faults
     path = root / "faulty_catalog.yaml"
     path.write_text(yaml.safe_dump(document))
@@ -164,7 +144,7 @@ def _agent_phase_error(record: dict) -> bool:
     return "agent phase error: claude reported error" in error
 
 
-def test_faults_are_retried_trained_as_zero_or_rejected(tmp_path, tiny_model):
+def test_faults_are_retried_trained_as_zero_or_rejected(tmp_path, tiny_model_dir):
     rows = [
         json.loads(line)
         for line in (DEFAULT_CATALOG.parent / "datasets" / "arithmetic.jsonl")
@@ -186,7 +166,7 @@ def test_faults_are_retried_trained_as_zero_or_rejected(tmp_path, tiny_model):
     )
     output = _train(
         tmp_path,
-        tiny_model,
+        tiny_model_dir,
         "session_gateway",
         "econfig.arena_registration_probe_interval=1.0",
         env={"AREAL_LOCAL_ARENA_CATALOG": str(catalog)},
@@ -238,16 +218,13 @@ CLAUDE = REPO / ".cache" / "agent-clis" / "node_modules" / ".bin" / "claude"
 @pytest.mark.skipif(
     not CLAUDE.exists(), reason="Claude Code CLI not installed (run `make agent-clis`)"
 )
-def test_claude_code_direct_rollout_records_interactions(tmp_path, tiny_model):
+def test_claude_code_direct_rollout_records_interactions(tmp_path, tiny_model_dir):
     """One ``direct``-mode rollout of the real Claude Code CLI through the local Arena.
 
     Claude Code's default request (~100 KB of tools and prompts) does not fit a tiny model,
     so the catalog gives the harness no tools and a one-line system prompt.
     """
-    document = yaml.safe_load(DEFAULT_CATALOG.read_text())
-    for spec in document["datasets"].values():
-        if "file" in spec:
-            spec["file"] = str((DEFAULT_CATALOG.parent / spec["file"]).resolve())
+    document = _default_catalog()
     for harness in document["harnesses"]:
         if harness["key"] == "claude-code":
             harness["options"] = {
@@ -262,41 +239,18 @@ def test_claude_code_direct_rollout_records_interactions(tmp_path, tiny_model):
     ]
     profile_path = tmp_path / "claude_profile.yaml"
     profile_path.write_text(yaml.safe_dump(profile, sort_keys=False))
-    env = {
-        **os.environ,
-        "AREAL_FILEROOT": str(tmp_path),
-        "MODEL_PATH": str(tiny_model),
-        "SWE_RL_ADMIN_API_KEY": secrets.token_urlsafe(24),
-        "ARENA_ROUTE_MODE": "direct",
-        "AREAL_LOCAL_ARENA_CATALOG": str(catalog),
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": str(REPO),
-        "PATH": f"{CLAUDE.parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    for name in ("ARENA_OPENAPI_BASE", "ARENA_OPENAPI_TOKEN", "ARENA_LLM_API_KEY", RPC_TOKEN_ENV):
-        env.pop(name, None)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "examples.swe.arena_rollout_only",
-            "--config",
-            str(profile_path),
-            "--num-rollouts",
-            "1",
-            "trial_name=claude",
-            "sglang.context_length=4096",
-            "gconfig.max_tokens=4095",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+    env = local_arena_env(
+        tmp_path,
+        tiny_model_dir,
+        secrets.token_urlsafe(24),
+        ARENA_ROUTE_MODE="direct",
+        AREAL_LOCAL_ARENA_CATALOG=str(catalog),
+        PATH=f"{CLAUDE.parent}{os.pathsep}{os.environ.get('PATH', '')}",
     )
-    output = done.stdout + done.stderr
+    args = ["--config", str(profile_path), "--num-rollouts", "1", "trial_name=claude",
+            "sglang.context_length=4096", "gconfig.max_tokens=4095"]  # fmt: skip
     # exit 0 means at least one trajectory came back: the proxy session had interactions
-    assert done.returncode == 0, output[-6000:]
+    run_entry("examples.swe.arena_rollout_only", args, env, timeout=600)
     tasks = _tasks(tmp_path, "claude")
     assert len(tasks) == 1 and tasks[0]["harness_key"] == "claude-code"
     assert tasks[0]["status"] in ("DONE", "OK", "HARNESS_FAILED", "NO_OUTPUT"), tasks[0]

@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import getpass
 import json
-import os
 import secrets
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from areal.api.scheduler_api import RPC_TOKEN_ENV
+from tests.helpers.arena_jobs import local_arena_env, run_entry
 
 pytestmark = pytest.mark.slow
 
@@ -28,34 +25,12 @@ REPO = Path(__file__).resolve().parents[2]
 PROFILE = REPO / "examples" / "swe" / "arena_flash_v3_mini.yaml"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from areal.utils.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-
-
 def run_mini(root: Path, model: Path, backend: str, *overrides: str) -> tuple[str, list[dict]]:
-    admin = secrets.token_urlsafe(24)
-    env = {
-        **os.environ,
-        "AREAL_FILEROOT": str(root),
-        "MODEL_PATH": str(model),
-        "SWE_RL_ADMIN_API_KEY": admin,
-        "ACTOR_BACKEND": backend,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    for name in ("ARENA_OPENAPI_BASE", "ARENA_OPENAPI_TOKEN", "ARENA_LLM_API_KEY", RPC_TOKEN_ENV):
-        env.pop(name, None)
+    env = local_arena_env(root, model, secrets.token_urlsafe(24), ACTOR_BACKEND=backend)
     # A random tiny model scores 0 on every task, and the recipe normalizes nothing, so the
     # advantages (and the gradient) would be 0: a reward bias makes the step move weights.
-    cmd = [sys.executable, "-m", "examples.swe.train_swe_rl", "--config", str(PROFILE),
-           "actor.reward_bias=-0.5", *overrides]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-6000:]
-    assert admin not in output
+    args = ["--config", str(PROFILE), "actor.reward_bias=-0.5", *overrides]
+    output = run_entry("examples.swe.train_swe_rl", args, env, timeout=900)
     log_dir = root / "logs" / getpass.getuser() / "arena-flash-v3-mini" / "mini"
     stats = [
         json.loads(line)
@@ -87,14 +62,14 @@ def check_one_step(root: Path, stats: list[dict]) -> None:
     assert statuses.count("DONE") + statuses.count("OK") > 0, statuses
 
 
-def test_flash_v3_mini_trains_one_step_on_cpu(tmp_path, tiny_model):
-    _, stats = run_mini(tmp_path, tiny_model, "fsdp:d1", "actor.dtype=float32")
+def test_flash_v3_mini_trains_one_step_on_cpu(tmp_path, tiny_model_dir):
+    _, stats = run_mini(tmp_path, tiny_model_dir, "fsdp:d1", "actor.dtype=float32")
     check_one_step(tmp_path, stats)
 
 
 @pytest.mark.gpu
-def test_flash_v3_mini_trains_one_step_with_megatron(tmp_path, tiny_model):
-    _, stats = run_mini(tmp_path, tiny_model, "megatron:d1p1t1")
+def test_flash_v3_mini_trains_one_step_with_megatron(tmp_path, tiny_model_dir):
+    _, stats = run_mini(tmp_path, tiny_model_dir, "megatron:d1p1t1")
     check_one_step(tmp_path, stats)
     actor_log = tmp_path / "logs" / getpass.getuser() / "arena-flash-v3-mini" / "mini" / "actor.log"
     assert "Megatron engine ready" in actor_log.read_text()

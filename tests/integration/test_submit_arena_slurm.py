@@ -31,13 +31,6 @@ STANDIN = REPO / "tests" / "fakes" / "container_standin.py"
 LOCAL_PROFILE = REPO / "examples" / "swe" / "arena_local.yaml"
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    from areal.utils.tiny_model import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("model") / "tiny", seed=0)
-
-
 @pytest.fixture
 def local_arena(tmp_path):
     """A local Arena server process on loopback; yields (base URL, token)."""
@@ -140,7 +133,7 @@ def _files_containing(root: Path, needle: str) -> list[Path]:
 
 
 def test_check_arena_then_one_training_step_on_slurm(
-    slurm_cluster: SlurmCluster, tmp_path, tiny_model, local_arena
+    slurm_cluster: SlurmCluster, tmp_path, tiny_model_dir, local_arena
 ):
     base_url, arena_token = local_arena
     admin_key = "sentinel-" + secrets.token_hex(12)
@@ -165,7 +158,7 @@ def test_check_arena_then_one_training_step_on_slurm(
         "CONFIG_PATH": str(_cpu_profile(tmp_path / "arena_slurm_cpu.yaml")),
         "AREAL_IMAGE": str(image),
         "AREAL_PYTHON": sys.executable,
-        "MODEL_PATH": str(tiny_model),
+        "MODEL_PATH": str(tiny_model_dir),
         "AREAL_FILEROOT": str(fileroot),
         "ARENA_CREDENTIALS_FILE": str(creds),
         "AREAL_CONTROLLER_MOUNTS": f"{tmp_path}:{tmp_path}",
