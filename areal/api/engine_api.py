@@ -50,8 +50,9 @@ class InferenceEngine(abc.ABC):
 
     @abc.abstractmethod
     def init_weights_update_group(
-        self, meta: WeightUpdateMeta, xccl_group_ranks: list[int] | None = None
-    ) -> concurrent.futures.Future: ...
+        self, meta: WeightUpdateMeta, first_server_index: int = 0
+    ) -> concurrent.futures.Future:
+        """This engine's servers (numbered from ``first_server_index``) join the group."""
 
     @abc.abstractmethod
     def update_weights_from_distributed(
@@ -171,6 +172,18 @@ class TrainEngine(abc.ABC):
 
         rank = dist.get_rank() if dist.is_initialized() else 0
         return self.current_data_parallel_head() == rank
+
+    def data_parallel_layout(self) -> dict[str, Any]:
+        """This rank's place in the data-parallel view, as a plain call (RPC cannot read
+        properties): ``{"dp_rank": int, "dp_size": int, "is_head": bool}``.
+
+        Over RPC only DP heads' answers arrive; a non-head's result is null.
+        """
+        return {
+            "dp_rank": int(self.data_parallel_rank),
+            "dp_size": int(self.data_parallel_world_size),
+            "is_head": bool(self.is_data_parallel_head()),
+        }
 
     @abc.abstractmethod
     def train(self, mode: bool = True) -> TrainEngine: ...

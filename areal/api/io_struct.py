@@ -141,7 +141,16 @@ class ParamSpec:
 
 @dataclass
 class WeightUpdateMeta:
-    """How new weights travel from the trainer to the inference servers."""
+    """How new weights travel from the trainer to the inference servers.
+
+    For ``xccl`` the servers' layout comes from the rollout allocation: ``gen_n_servers``
+    servers of TP size ``gen_tp_size``. The weight-update group follows SGLang's rank rule:
+    the trainer is rank 0 and server ``i``'s TP rank ``r`` is ``1 + i * t + r``, so the
+    group has ``1 + N * t`` ranks (pipeline stages repeat TP ranks, so ``gen_pp_size``
+    does not widen the group; xccl with ``gen_pp_size > 1`` is refused at config load).
+    ``comm_backend`` is chosen by the trainer rank that hosts the group: ``nccl`` on GPUs,
+    ``gloo`` on CPU.
+    """
 
     type: Literal["disk", "xccl", "awex"] = "disk"
     path: str | None = None
@@ -149,6 +158,7 @@ class WeightUpdateMeta:
     nccl_master_address: str = "127.0.0.1"
     nccl_master_port: int = 29500
     nccl_group_name: str = "update_weight_group"
+    comm_backend: Literal["nccl", "gloo"] = "nccl"
     gen_tp_size: int = 1
     gen_pp_size: int = 1
     gen_n_servers: int = 1
@@ -158,7 +168,21 @@ class WeightUpdateMeta:
 
     @property
     def gen_world_size(self) -> int:
+        """Devices of the rollout side (``N * t * p``)."""
         return self.gen_tp_size * self.gen_pp_size * self.gen_n_servers
+
+    @property
+    def group_world_size(self) -> int:
+        """Ranks of the weight-update group: the trainer plus every server's TP ranks."""
+        return 1 + self.gen_n_servers * self.gen_tp_size
+
+    def rank_offset(self, server_index: int) -> int:
+        """Group rank of TP rank 0 of server ``server_index`` (0-based)."""
+        if not 0 <= server_index < self.gen_n_servers:
+            raise ValueError(
+                f"server index {server_index} outside the {self.gen_n_servers} rollout servers"
+            )
+        return 1 + server_index * self.gen_tp_size
 
 
 @dataclass

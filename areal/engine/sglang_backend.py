@@ -90,28 +90,20 @@ class SGLangBackend:
         )
 
     def build_init_weights_group_request(
-        self, server_idx: int, meta: WeightUpdateMeta, pp_rank: int | None = None
+        self, server_idx: int, meta: WeightUpdateMeta
     ) -> HttpRequest:
-        tp, pp = meta.gen_tp_size, meta.gen_pp_size
-        payload: dict[str, Any] = {
-            "master_address": meta.nccl_master_address,
-            "master_port": str(meta.nccl_master_port),
-            "backend": "nccl",
-        }
-        if pp_rank is None:
-            payload.update(
-                rank_offset=1 + server_idx * tp * pp,
-                world_size=meta.gen_world_size + 1,
-                group_name=meta.nccl_group_name,
-            )
-        else:  # one group per pipeline stage
-            payload.update(
-                rank_offset=1 + server_idx * tp,
-                world_size=meta.gen_n_servers * tp + 1,
-                group_name=f"{meta.nccl_group_name}_{pp_rank}",
-                pp_rank=pp_rank,
-            )
-        return HttpRequest("/init_weights_update_group", payload)
+        """Server ``server_idx`` joins with ranks ``rank_offset + tp_rank`` (SGLang's rule)."""
+        return HttpRequest(
+            "/init_weights_update_group",
+            {
+                "master_address": meta.nccl_master_address,
+                "master_port": int(meta.nccl_master_port),
+                "rank_offset": meta.rank_offset(server_idx),
+                "world_size": meta.group_world_size,
+                "group_name": meta.nccl_group_name,
+                "backend": meta.comm_backend,
+            },
+        )
 
     def build_distributed_weight_update_requests(
         self, meta: WeightUpdateMeta, param_specs: list[ParamSpec], group_name: str | None = None
@@ -166,8 +158,7 @@ class HFBackend(SGLangBackend):
     def server_args(
         self, sglang: SGLangConfig, host: str, port: int, tp_size: int = 1, base_gpu_id: int = 0
     ) -> dict[str, Any]:
-        if tp_size != 1:
-            raise ValueError("the embedded hf server runs one device per server; use t1")
+        # the model runs on one device; t sets the ranks it joins weight-update groups with
         return {
             "model_path": sglang.model_path,
             "host": host,
@@ -176,4 +167,5 @@ class HFBackend(SGLangBackend):
             "context_length": sglang.context_length,
             "max_running_requests": sglang.max_running_requests,
             "random_seed": sglang.random_seed,
+            "tp_size": tp_size,
         }

@@ -444,13 +444,18 @@ class RemoteInfEngine(InferenceEngine):
         return self._pool.submit(run)
 
     def init_weights_update_group(
-        self, meta: WeightUpdateMeta, xccl_group_ranks: list[int] | None = None
+        self, meta: WeightUpdateMeta, first_server_index: int = 0
     ) -> concurrent.futures.Future:
-        """Every server joins the NCCL group the trainer broadcasts weights on (one try)."""
+        """Every server joins the trainer's weight-update group (one try each, concurrently).
+
+        This engine's servers are numbered ``first_server_index, first_server_index + 1,
+        ...`` among all ``meta.gen_n_servers`` rollout servers (a controller with several
+        rollout workers gives each worker its own start), which fixes their group ranks.
+        """
 
         def run() -> None:
             requests = {
-                address: self.backend.build_init_weights_group_request(i, meta)
+                address: self.backend.build_init_weights_group_request(first_server_index + i, meta)
                 for i, address in enumerate(self.addresses)
             }
             self._send_once(requests)

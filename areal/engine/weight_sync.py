@@ -10,7 +10,8 @@ only rank 0's tensors are sent).
 * disk: rank 0 pauses generation and asks the rollout side to load ``meta.path``; every rank
   takes part in the HF save; rank 0 publishes the version's name-resolve key (the load
   waits for it), waits for the load and continues generation.
-* xccl: rank 0 joins an NCCL group with the inference servers (:meth:`connect_engine`),
+* xccl: rank 0 joins one weight-update group with every TP rank of every inference server
+  (:meth:`connect_engine`; NCCL on GPUs, gloo on CPU, see :mod:`areal.utils.nccl_group`),
   then sends the weights in buckets of at most ``weight_chunked_mem_mb``: for each bucket
   the servers are told the names, shapes and dtypes, then the tensors are broadcast.
 """
@@ -56,6 +57,7 @@ class RolloutWeightSync:
             if not meta.nccl_master_address or meta.nccl_master_address == "127.0.0.1":
                 meta.nccl_master_address = gethostip()
             meta.nccl_master_port = find_free_port()
+            meta.comm_backend = "nccl" if self.device.type == "cuda" else "gloo"
             joined = self.rollout_engine.init_weights_update_group(meta)
             self._weight_group = _join_weight_group(meta, joined)
         dist.barrier(group=self._cpu_group)
@@ -94,8 +96,6 @@ class RolloutWeightSync:
         dist.barrier(group=self._cpu_group)
 
     def _update_weights_from_distributed(self, meta: WeightUpdateMeta) -> None:
-        from areal.utils.nccl_group import broadcast
-
         rank0 = dist.get_rank() == 0
         dtype = _dtype(self.config.dtype)
         budget = meta.weight_chunked_mem_mb * 1024 * 1024
@@ -112,9 +112,7 @@ class RolloutWeightSync:
                     for n, t in bucket
                 ]
                 received = self.rollout_engine.update_weights_from_distributed(meta, specs)
-                for _, tensor in bucket:
-                    broadcast(self._weight_group, tensor, src=0)
-                received.result()
+                _send_bucket(self._weight_group, [t for _, t in bucket], received)
             bucket, size = [], 0
 
         # every rank takes part in producing the tensors; rank 0 sends them
@@ -132,26 +130,63 @@ class RolloutWeightSync:
         dist.barrier(group=self._cpu_group)
 
 
+def _send_bucket(
+    group: Any, tensors: list[torch.Tensor], received: concurrent.futures.Future
+) -> None:
+    """Broadcast one bucket while the servers receive it (their HTTP call is ``received``).
+
+    A server that refuses the bucket never enters the broadcast, so the trainer would
+    wait in it until the group's timeout; the broadcast runs on a helper thread and a
+    refusal fails the update at once.
+    """
+    from areal.utils.nccl_group import broadcast
+
+    sent: concurrent.futures.Future = concurrent.futures.Future()
+
+    def send() -> None:
+        try:
+            if tensors and tensors[0].is_cuda:
+                torch.cuda.set_device(tensors[0].device)  # the current device is per thread
+            for tensor in tensors:
+                broadcast(group, tensor, src=0)
+            if tensors and tensors[0].is_cuda:
+                torch.cuda.synchronize()
+            sent.set_result(None)
+        except BaseException as e:  # reported through the future
+            sent.set_exception(e)
+
+    threading.Thread(target=send, name="weight-bucket-send", daemon=True).start()
+    concurrent.futures.wait([received, sent], return_when=concurrent.futures.FIRST_EXCEPTION)
+    if received.done() and received.exception() is not None:
+        raise RuntimeError(
+            "an inference server refused a weight bucket; the weight-update group can no "
+            f"longer be used: {received.exception()}"
+        )
+    sent.result()
+    received.result()
+
+
 def _join_weight_group(meta: WeightUpdateMeta, joined: concurrent.futures.Future):
     """Join the weight-update group as rank 0 while the servers join theirs.
 
-    Joining blocks until every server arrives, so it runs on a helper thread: a server
-    that fails to join (its HTTP call errors) fails this call at once instead of leaving
-    rank 0 waiting for the rendezvous timeout.
+    The trainer's rendezvous store waits for every server rank, so joining runs on a
+    helper thread: a server that fails to join (its HTTP call errors) fails this call at
+    once instead of leaving rank 0 waiting for the rendezvous timeout.
     """
-    from areal.utils.nccl_group import create_group
+    from areal.utils.nccl_group import init_weight_update_group
 
     created: concurrent.futures.Future = concurrent.futures.Future()
 
     def join() -> None:
         try:
             created.set_result(
-                create_group(
-                    meta.nccl_master_address,
-                    meta.nccl_master_port,
-                    0,
-                    meta.gen_world_size + 1,
-                    meta.nccl_group_name,
+                init_weight_update_group(
+                    backend=meta.comm_backend,
+                    master_address=meta.nccl_master_address,
+                    master_port=meta.nccl_master_port,
+                    rank=0,
+                    world_size=meta.group_world_size,
+                    group_name=meta.nccl_group_name,
                 )
             )
         except BaseException as e:  # reported through the future

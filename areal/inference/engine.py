@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 from areal.inference.batch import RunningBatch, cache_kwarg, prefill_inputs
 from areal.inference.sampling import SamplingParams, sample_tokens
+from areal.inference.weight_group import WeightUpdateRanks, join_weight_update_group
 from areal.utils import logging
 
 __all__ = ["GenerationEngine", "GenerationRequest", "GenerationResult", "RequestError"]
@@ -82,6 +83,7 @@ class GenerationEngine:
         max_running_requests: int = 64,
         max_prefill_tokens: int = 16384,
         seed: int = 0,
+        tp_size: int = 1,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -114,8 +116,11 @@ class GenerationEngine:
         )
         self._wake = threading.Event()
         self._paused = False
+        self._released = False  # memory given back (colocation): no generation until resumed
         self._stopping = False
-        self._weight_groups: dict[str, Any] = {}  # NCCL groups for weight updates, by name
+        # ranks of weight-update groups, by group name (see areal.inference.weight_group)
+        self._weight_groups: dict[str, WeightUpdateRanks] = {}
+        self.tp_devices = self._tp_devices(tp_size)
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self.stats = collections.Counter()
 
@@ -130,6 +135,20 @@ class GenerationEngine:
             elif isinstance(value, (list, tuple)):
                 ids.update(int(v) for v in value)
         return ids
+
+    def _tp_devices(self, tp_size: int) -> list[torch.device]:
+        """One device per TP rank of the weight-update group: consecutive GPUs, or CPU."""
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        if self.device.type != "cuda":
+            return [self.device] * tp_size
+        first = self.device.index or 0
+        if first + tp_size > torch.cuda.device_count():
+            raise ValueError(
+                f"tp_size {tp_size} from GPU {first} needs {first + tp_size} visible GPUs, "
+                f"found {torch.cuda.device_count()}"
+            )
+        return [torch.device("cuda", first + k) for k in range(tp_size)]
 
     def _load_tokenizer(self):
         try:
@@ -230,7 +249,7 @@ class GenerationEngine:
     def _loop(self) -> None:
         while not self._stopping:
             self._run_commands()
-            if self._paused or (not self._running and not self._waiting):
+            if self._paused or self._released or (not self._running and not self._waiting):
                 self._wake.wait(timeout=0.1)
                 self._wake.clear()
                 continue
@@ -440,17 +459,28 @@ class GenerationEngine:
         rank_offset: int,
         world_size: int,
         group_name: str,
+        backend: str = "nccl",
     ) -> dict[str, Any]:
-        """Join the trainer's NCCL weight-update group (this server is one rank)."""
-        from areal.utils.nccl_group import create_group
-
-        if self.device.type != "cuda":
-            raise RequestError("NCCL weight updates need a CUDA server; use disk updates")
-        torch.cuda.set_device(self.device.index or 0)
-        self._weight_groups[group_name] = create_group(
-            master_address, int(master_port), int(rank_offset), int(world_size), group_name
-        )
-        return {"success": True, "message": f"joined {group_name} as rank {rank_offset}"}
+        """Join the trainer's weight-update group with ranks ``rank_offset + tp_rank``."""
+        if backend == "nccl" and self.device.type != "cuda":
+            raise RequestError("an NCCL weight-update group needs a CUDA server", "backend")
+        previous = self._weight_groups.pop(group_name, None)
+        if previous is not None:
+            previous.destroy()
+        try:
+            ranks = join_weight_update_group(
+                master_address=master_address,
+                master_port=int(master_port),
+                rank_offset=int(rank_offset),
+                world_size=int(world_size),
+                group_name=group_name,
+                backend=backend,
+                devices=self.tp_devices,
+            )
+        except ValueError as e:
+            raise RequestError(str(e), "rank_offset") from e
+        self._weight_groups[group_name] = ranks
+        return {"success": True, "message": f"joined {group_name} as ranks {ranks.ranks}"}
 
     def _cmd_update_weights_distributed(
         self,
@@ -458,35 +488,54 @@ class GenerationEngine:
         dtypes: list[str],
         shapes: list[list[int]],
         group_name: str,
-        abort_all_requests: bool = True,
+        abort_all_requests: bool = False,
     ) -> dict[str, Any]:
-        """Receive one bucket of tensors broadcast from the trainer (rank 0) and load it."""
-        from areal.utils.nccl_group import broadcast
-
+        """Receive one bucket broadcast from the trainer (rank 0) and load it."""
         group = self._weight_groups.get(group_name)
         if group is None:
             raise RequestError(f"no weight-update group {group_name!r}; init it first")
         if not len(names) == len(dtypes) == len(shapes):
             raise RequestError("names, dtypes and shapes must have the same length", "names")
-        received = {}
-        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-            broadcast(group, tensor, src=0)
-            received[name] = tensor
-        self._load_tensors(received, abort_all_requests)
-        return {"success": True, "message": f"updated {len(received)} tensors"}
+        current = self.model.state_dict()
+        for name, shape in zip(names, shapes, strict=True):
+            if name not in current or tuple(current[name].shape) != tuple(shape):
+                # a wrong spec would leave the trainer blocked in its broadcast: refuse
+                # before receiving, so the trainer's HTTP call fails instead
+                raise RequestError(f"tensor {name!r} of shape {shape} is not in the model")
+        torch_dtypes = []
+        for dtype in dtypes:
+            value = getattr(torch, dtype, None)
+            if not isinstance(value, torch.dtype):
+                raise RequestError(f"unknown dtype {dtype!r}", "dtypes")
+            torch_dtypes.append(value)
+        tensors = group.receive(shapes, torch_dtypes, timeout_s=600.0)
+        self._load_tensors(dict(zip(names, tensors, strict=True)), abort_all_requests)
+        return {"success": True, "message": f"updated {len(names)} tensors"}
 
     def _cmd_release(self, tags: list[str] | None = None) -> dict[str, Any]:
-        if self.device.type == "cuda":
-            self._abort_all("Abort in-flight requests (memory release)", include_waiting=False)
+        """Give the accelerator memory back (SGLang requires an idle server for it)."""
+        if self._running:
+            raise RequestError(
+                f"release_memory_occupation needs an idle server ({len(self._running)} "
+                "requests running); pause generation first"
+            )
+        if self.device.type == "cuda" and not self._released:
             self.model.to("cpu")
             torch.cuda.empty_cache()
+        self._released = True
+        self.stats["memory_releases"] += 1
         return {"success": True}
 
     def _cmd_resume(self, tags: list[str] | None = None) -> dict[str, Any]:
-        if self.device.type == "cuda":
+        if self.device.type == "cuda" and self._released:
             self.model.to(self.device)
+        self._released = False
+        self.stats["memory_resumes"] += 1
         return {"success": True}
+
+    @property
+    def memory_released(self) -> bool:
+        return self._released
 
 
 def _is_tied(model: torch.nn.Module, name: str) -> bool:

@@ -75,7 +75,7 @@ class UpdateFromDiskBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model_path: str
-    abort_all_requests: bool = True
+    abort_all_requests: bool = False  # SGLang's default
 
 
 class InitWeightsGroupBody(BaseModel):
@@ -85,7 +85,7 @@ class InitWeightsGroupBody(BaseModel):
     master_port: int
     rank_offset: int
     world_size: int
-    group_name: str = "update_weight_group"
+    group_name: str = "weight_update_group"  # SGLang's defaults
     backend: str = "nccl"
 
 
@@ -95,8 +95,8 @@ class DistributedUpdateBody(BaseModel):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
-    group_name: str = "update_weight_group"
-    abort_all_requests: bool = True
+    group_name: str = "weight_update_group"  # SGLang's defaults
+    abort_all_requests: bool = False
 
 
 class MemoryBody(BaseModel):
@@ -163,6 +163,8 @@ def create_app(engine: GenerationEngine) -> FastAPI:
             "context_length": engine.context_length,
             "max_running_requests": engine.max_running,
             "paused": engine.paused,
+            "memory_released": engine.memory_released,
+            "tp_size": len(engine.tp_devices),
             **engine.load(),
             **dict(engine.stats),
         }
@@ -248,8 +250,10 @@ def create_app(engine: GenerationEngine) -> FastAPI:
 
     @app.post("/init_weights_update_group")
     async def init_weights_group(body: InitWeightsGroupBody) -> dict[str, Any]:
-        if body.backend != "nccl":
-            raise RequestError(f"backend must be nccl, got {body.backend!r}", "backend")
+        if body.backend not in ("nccl", "gloo"):
+            raise RequestError(
+                f"backend must be nccl (GPU) or gloo (CPU), got {body.backend!r}", "backend"
+            )
         return await run_command(
             "init_weights_group",
             master_address=body.master_address,
@@ -257,6 +261,7 @@ def create_app(engine: GenerationEngine) -> FastAPI:
             rank_offset=body.rank_offset,
             world_size=body.world_size,
             group_name=body.group_name,
+            backend=body.backend,
         )
 
     @app.post("/update_weights_from_distributed")
@@ -301,6 +306,13 @@ def _parser() -> argparse.ArgumentParser:
         help="padded prompt tokens prefilled in one forward pass at most",
     )
     parser.add_argument("--random-seed", type=int, default=0)
+    parser.add_argument(
+        "--tp-size",
+        type=int,
+        default=1,
+        help="ranks this server joins a weight-update group with (the model runs on one "
+        "device; TP ranks beyond the first receive every broadcast and drop it)",
+    )
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -318,6 +330,7 @@ def main(argv: list[str] | None = None) -> None:
         max_running_requests=args.max_running_requests,
         max_prefill_tokens=args.max_prefill_tokens,
         seed=args.random_seed,
+        tp_size=args.tp_size,
     ).start()
     logger.info("serving %s on %s:%d (%s)", args.model_path, args.host, args.port, engine.device)
     uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from areal.api.cli_args import PPOConfig
+from areal.api.config.support import refuse_unsupported
 from areal.api.config.train import parse_backend
 from areal.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal.api.workflow_api import RolloutWorkflow
@@ -78,6 +79,7 @@ class PPOTrainer:
 
     def _build(self, train_dataset, valid_dataset) -> None:
         cfg = self.config
+        refuse_unsupported(cfg)  # before any worker starts
         self.log_dir = (
             Path(cfg.cluster.fileroot)
             / "logs"
@@ -125,10 +127,15 @@ class PPOTrainer:
             trial_name=cfg.rollout.trial_name or cfg.trial_name,
         )
         self.rollout = RolloutController(rollout_cfg, self.scheduler, role="rollout")
+        strategy = cfg.rollout.scheduling_strategy
+        # colocated servers share the actor's devices: they give their memory back
+        # while the actor trains (the supported shape is checked at config load)
+        self.colocated = strategy is not None and strategy.type == "colocation"
         self.rollout.initialize(
             rollout_alloc.parallel.dp_size,
             cfg.rollout.scheduling_spec[0],
             server_args=_server_args(cfg),
+            strategy=strategy if self.colocated else None,
         )
 
         self.weight_update_meta = self._weight_update_meta()
@@ -169,7 +176,14 @@ class PPOTrainer:
             )
             return WeightUpdateMeta(type="disk", path=str(root))
         if mode == "xccl":
-            return WeightUpdateMeta(type="xccl", weight_chunked_mem_mb=1024)
+            layout = parse_backend(cfg.rollout.backend).parallel
+            return WeightUpdateMeta(
+                type="xccl",
+                gen_tp_size=layout.tp_size,
+                gen_pp_size=layout.pp_size,
+                gen_n_servers=layout.dp_size,
+                weight_chunked_mem_mb=1024,
+            )
         raise ValueError(f"actor.weight_update_mode {mode!r} is not supported here; disk or xccl")
 
     def _meta_for(self, version: int) -> WeightUpdateMeta:
@@ -233,6 +247,11 @@ class PPOTrainer:
                     batch_size=cfg.train_dataset.batch_size,
                 )
             self._dump(batch, global_step)
+            if self.colocated:
+                with tracker.record_timing("offload_rollout"):
+                    self.rollout.pause()
+                    self.rollout.pause_generation()
+                    self.rollout.offload()
             if self.actor.should_compute_prox_logp():
                 with tracker.record_timing("recompute_logp"):
                     for trajectory, logp in zip(batch, self.actor.compute_logp(batch), strict=True):
@@ -243,11 +262,15 @@ class PPOTrainer:
                 update_stats = self.actor.ppo_update(advantaged)
                 self.actor.step_lr_scheduler()
             self.rollout.pause()
+            if self.colocated:
+                with tracker.record_timing("onload_rollout"):
+                    self.rollout.onload()
             with tracker.record_timing("update_weights"):
                 version = global_step + 1
                 self.actor.update_weights(self._meta_for(version))
                 self.actor.set_version(version)
                 self.rollout.set_version(version)
+            sync_stats = self._check_weight_sync()
             with tracker.record_timing("save"):
                 self.saver.save(
                     self.actor, epoch, epoch_step, global_step, tokenizer=self.tokenizer
@@ -265,6 +288,7 @@ class PPOTrainer:
             stats = {**self.actor.export_stats(), **self.rollout.export_stats()}
             stats.update(stats_tracker.export_all())
             stats.update(_batch_stats(batch, update_stats, time.monotonic() - began))
+            stats.update(sync_stats)
             stats["train/weight_version"] = float(version)
             self.stats_logger.commit(epoch, epoch_step, global_step, stats)
             progress.update(global_step + 1, stats)
@@ -272,6 +296,22 @@ class PPOTrainer:
             if global_step + 1 < max_steps:  # nothing is launched for a step that never runs
                 self.rollout.resume()
         progress.close()
+
+    def _check_weight_sync(self) -> dict[str, float]:
+        """``actor.weight_sync_check``: every server's log-probs against the actor's."""
+        cfg = self.config.actor
+        if not cfg.weight_sync_check:
+            return {}
+        from areal.trainer.weight_sync_check import check_weight_sync
+
+        return check_weight_sync(
+            self.actor,
+            self.rollout.server_addrs,
+            self.tokenizer,
+            temperature=cfg.temperature,
+            n_data_parallel=parse_backend(cfg.backend).parallel.dp_size,
+            tolerance=cfg.weight_sync_check_tolerance,
+        )
 
     def after_step(self, step_info: Any, stats: dict[str, float]) -> None:
         """Called after each step (weights synced, rollout still paused); override to probe."""

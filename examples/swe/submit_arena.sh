@@ -233,13 +233,19 @@ from pathlib import Path
 
 import yaml
 
-from areal.api.cli_args import load_expr_config
+from areal.api.cli_args import ConfigError, load_expr_config
+from areal.api.config.support import refuse_unsupported
 from examples.swe.arena_config import load_arena_stream_configs
 from examples.swe.arena_preflight import validate_streams
 from examples.swe.utils import SWEPPOConfig
 
 config_path = sys.argv[1]
-config, _ = load_expr_config(["--config", config_path], SWEPPOConfig)
+# A config the trainer cannot run is refused here, before Arena or any worker is contacted.
+try:
+    config, _ = load_expr_config(["--config", config_path], SWEPPOConfig)
+    refuse_unsupported(config)
+except ConfigError as e:
+    sys.exit(f"submit_arena.sh: {config_path}: {e}")
 if config.scheduler.type != "slurm" or config.econfig.dataset_source != "arena":
     raise ValueError(
         "submit_arena.sh needs a config with scheduler.type 'slurm' and econfig.dataset_source "

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from areal.api.cli_args import conf_as_dict, load_expr_config
+from areal.api.config.support import refuse_unsupported
 from areal.trainer.rl_trainer import PPOTrainer
 from areal.utils import logging
 from examples.swe.arena_client import (
@@ -429,6 +430,7 @@ def build_training_inputs(
 def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="pydantic")
     config, _ = load_expr_config(argv, SWEPPOConfig)
+    refuse_unsupported(config)  # before any Arena, scheduler or worker is touched
     with local_arena_if_requested(config):
         inputs = build_training_inputs(config)
         with PPOTrainer(

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from areal.api.cli_args import GRPOConfig, load_expr_config
+from areal.api.config.support import refuse_unsupported
 from areal.trainer.rl_trainer import PPOTrainer
 from examples.toy.token_reward import make_dataset
 
@@ -41,6 +42,7 @@ def build_inputs(config: GRPOConfig) -> tuple[list[dict], str, dict]:
 
 def main(argv: list[str] | None = None) -> None:
     config, _ = load_expr_config(sys.argv[1:] if argv is None else argv, GRPOConfig)
+    refuse_unsupported(config)  # before the model is built or any worker starts
     dataset, workflow, workflow_kwargs = build_inputs(config)
     with PPOTrainer(config, dataset) as trainer:
         trainer.train(workflow, workflow_kwargs)

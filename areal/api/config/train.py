@@ -343,6 +343,16 @@ class TrainEngineConfig(ConfigNode):
     enable_delta_weight_update: bool = cfg_field(False, help="AWEX: send weight deltas.")
     weight_update_delta_method: str = cfg_field("adamw", help="AWEX: delta method.")
     weight_update_anchor_interval: int = cfg_field(0, help="AWEX: full update every N steps.")
+    weight_sync_check: bool = cfg_field(
+        False,
+        help="After each weight update, compare every inference server's greedy log-probs on "
+        "a probe prompt with this engine's on the same tokens (stats weight_sync/*).",
+    )
+    weight_sync_check_tolerance: float | None = cfg_field(
+        None,
+        help="Largest |log-prob difference| weight_sync_check accepts before failing the "
+        "run; null records the difference only (fp32 on CPU agrees to ~1e-5, bf16 to ~1e-1).",
+    )
     fsdp: FSDPEngineConfig = cfg_field(factory=FSDPEngineConfig, help="FSDP options.")
     megatron: MegatronEngineConfig = cfg_field(
         factory=MegatronEngineConfig, help="Megatron options."

@@ -210,6 +210,14 @@ class RolloutController:
     def continue_generation(self) -> None:
         self._call_all("continue_generation")
 
+    def offload(self) -> None:
+        """Every server releases its accelerator memory (colocation: the actor trains)."""
+        self._call_all("offload")
+
+    def onload(self) -> None:
+        """Every server takes its memory back (before the weight update)."""
+        self._call_all("onload")
+
     # --- weight updates forwarded from train ranks ---
 
     def _update_weights_disk(self, meta: WeightUpdateMeta) -> None:
@@ -219,12 +227,19 @@ class RolloutController:
             shutil.rmtree(meta.path, ignore_errors=True)
 
     def _init_weights_group(self, meta: WeightUpdateMeta) -> None:
-        if len(self.workers) != 1:
-            raise NotImplementedError(
-                "NCCL weight updates through the controller support one rollout worker; "
-                "use actor.weight_update_mode: disk with several"
+        """Every worker's server joins the group at once; worker ``i`` runs server ``i``."""
+        if meta.gen_n_servers != len(self.workers):
+            raise ValueError(
+                f"the weight-update group expects {meta.gen_n_servers} rollout server(s) "
+                f"(rollout.backend) but {len(self.workers)} rollout worker(s) run"
             )
-        self._call_all("init_weights_update_group", meta)
+        with _executor(len(self.workers)) as pool:
+            futures = [
+                pool.submit(self._call, w, "init_weights_update_group", meta, first_server_index=i)
+                for i, w in enumerate(self.workers)
+            ]
+            for future in futures:
+                future.result()
 
     def _update_weights_xccl(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> None:
         self._call_all("update_weights_from_distributed", meta, param_specs)

@@ -231,7 +231,7 @@ def test_nccl_weight_endpoints_explain_what_a_cpu_server_cannot_do(server):
     init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2}
     response = httpx.post(f"{base}/init_weights_update_group", json=init)
     assert response.status_code == 400
-    assert "need a CUDA server" in response.json()["error"]["message"]
+    assert "needs a CUDA server" in response.json()["error"]["message"]
     bucket = {"names": ["lm_head.weight"], "dtypes": ["bfloat16"], "shapes": [[2, 2]]}
     response = httpx.post(f"{base}/update_weights_from_distributed", json=bucket)
     assert response.status_code == 400

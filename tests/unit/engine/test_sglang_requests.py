@@ -3,6 +3,7 @@ recording peer (framework spec 6.3): NCCL group, distributed update, memory, pau
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -149,12 +150,12 @@ def test_generation_response_parsing():
 def test_init_weights_update_group(two_servers):
     engine, peers = two_servers
     engine.init_weights_update_group(meta()).result()
-    # tp 2 x pp 1 per server: rank offsets 1 and 3, world = 4 inference ranks + trainer
+    # SGLang's rule, tp 2 per server: rank offsets 1 and 3, world = 4 server ranks + trainer
     for index, peer in enumerate(peers):
         assert bodies(peer, "/init_weights_update_group") == [
             {
                 "master_address": "10.0.0.7",
-                "master_port": "29511",
+                "master_port": 29511,
                 "backend": "nccl",
                 "rank_offset": 1 + index * 2,
                 "world_size": 5,
@@ -163,26 +164,23 @@ def test_init_weights_update_group(two_servers):
         ]
 
 
-def test_per_pipeline_stage_group_request():
-    m = WeightUpdateMeta(
-        nccl_group_name="g",
-        gen_tp_size=4,
-        gen_pp_size=2,
-        gen_n_servers=3,
-        nccl_master_address="a",
-        nccl_master_port=1,
-    )
-    request = SGLangBackend().build_init_weights_group_request(2, m, pp_rank=1)
-    # rank_offset = 1 + server_idx * tp; world = n_servers * tp + 1
-    assert request.payload == {
-        "master_address": "a",
-        "master_port": "1",
-        "backend": "nccl",
-        "rank_offset": 9,
-        "world_size": 13,
-        "group_name": "g_1",
-        "pp_rank": 1,
-    }
+def test_a_worker_numbers_its_servers_from_its_first_index(two_servers):
+    engine, peers = two_servers
+    engine.init_weights_update_group(
+        dataclasses.replace(meta(), gen_n_servers=4), first_server_index=2
+    ).result()
+    offsets = [bodies(peer, "/init_weights_update_group")[0]["rank_offset"] for peer in peers]
+    assert offsets == [5, 7]  # servers 2 and 3 of 4, tp 2
+
+
+def test_pipeline_stages_do_not_widen_the_group():
+    # SGLang repeats TP ranks in every pipeline stage: p never enters the rank rule
+    m = WeightUpdateMeta(gen_tp_size=4, gen_pp_size=2, gen_n_servers=3)
+    payload = SGLangBackend().build_init_weights_group_request(2, m).payload
+    assert (payload["rank_offset"], payload["world_size"]) == (9, 13)
+    assert "pp_rank" not in payload
+    with pytest.raises(ValueError, match="server index 3 outside the 3 rollout servers"):
+        SGLangBackend().build_init_weights_group_request(3, m)
 
 
 def test_update_weights_from_distributed(two_servers):
@@ -287,6 +285,8 @@ def test_server_launch_commands():
         "8",
         "--random-seed",
         "3",
+        "--tp-size",
+        "1",
     ]
-    with pytest.raises(ValueError, match="one device"):
-        HFBackend().server_args(sglang, "h", 1, tp_size=2)
+    # the embedded server joins weight-update groups with t ranks (the model stays on one)
+    assert HFBackend().server_args(sglang, "h", 1, tp_size=2)["tp_size"] == 2

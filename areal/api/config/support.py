@@ -1,0 +1,269 @@
+"""What this port's trainer can run: configs it cannot honour are refused before workers start."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from areal.api.alloc_mode import ModelAllocation
+from areal.api.config.fields import MISSING, ConfigError, FieldError
+from areal.api.config.train import parse_backend
+
+if TYPE_CHECKING:
+    from areal.api.config.ppo import PPOConfig
+
+__all__ = ["SUPPORTED_COLOCATION", "refuse_unsupported", "unsupported"]
+
+SUPPORTED_COLOCATION = (
+    "the one colocation this port runs is type: colocation, target: actor, fork: true and "
+    "one t1 p1 server per actor worker"
+)
+_SGLANG_VERSIONS = "SGLang 0.5.23 (inside the supported range sglang >= 0.5.10.post1)"
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """The parsed allocations of the actor and of the rollout servers."""
+
+    actor: ModelAllocation
+    rollout: ModelAllocation
+
+    @property
+    def sglang(self) -> bool:
+        return self.rollout.backend == "sglang"
+
+
+Check = Callable[["PPOConfig", _Layout], Iterator[FieldError]]
+
+
+# --- the training engine ---
+
+
+def _awex(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    if cfg.actor.weight_update_mode == "awex":
+        yield FieldError(
+            "actor.weight_update_mode",
+            "awex is not implemented in this port; set actor.weight_update_mode: xccl "
+            "(NCCL broadcast to the servers) or disk (save, then the servers reload)",
+        )
+
+
+def _megatron_context_parallel(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    # The hybrid form carries c in its attention part, which the parser puts in cp_size.
+    cp = layout.actor.parallel.cp_size
+    if layout.actor.backend == "megatron" and cp > 1:
+        yield FieldError(
+            "actor.backend",
+            f"context parallelism c{cp} in {cfg.actor.backend!r} needs Transformer Engine "
+            "attention, which this port's Megatron engine does not use; use t (tensor) or "
+            "p (pipeline) parallelism instead of c, keeping the same number of GPUs",
+        )
+
+
+def _fsdp_data_parallel_only(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    # p > 1 and e > 1 never get here: the allocation parser already refuses them for fsdp.
+    p = layout.actor.parallel
+    extra = [f"{k}{v}" for k, v in (("t", p.tp_size), ("c", p.cp_size)) if v > 1]
+    if layout.actor.backend == "fsdp" and extra:
+        yield FieldError(
+            "actor.backend",
+            f"the FSDP engine is data parallel only, but {cfg.actor.backend!r} asks for "
+            f"{' '.join(extra)}; use 'fsdp:d{p.world_size}' (d only) or a megatron backend "
+            "for tensor parallelism",
+        )
+
+
+def _lora(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    for field in ("actor.use_lora", "rollout.use_lora"):
+        section, name = field.split(".")
+        if getattr(getattr(cfg, section), name):
+            yield FieldError(
+                field,
+                "nothing loads LoRA adapters into the inference servers (/load_lora_adapter "
+                "is never called), so every generation request would get HTTP 400; "
+                f"set {field}: false",
+            )
+
+
+# --- rollout placement ---
+
+
+def _colocation(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    strategy = cfg.rollout.scheduling_strategy
+    if strategy.type != "colocation":
+        return
+    field = "rollout.scheduling_strategy"
+    if strategy.target != "actor":
+        yield FieldError(
+            f"{field}.target",
+            f"colocation with {strategy.target!r} is not implemented; set {field}.target: "
+            f"actor or {field}.type: separation ({SUPPORTED_COLOCATION})",
+        )
+    if not strategy.fork:
+        yield FieldError(
+            f"{field}.fork",
+            "colocation without fork (servers inside the actor's own worker processes) is "
+            f"not implemented; set {field}.fork: true or {field}.type: separation "
+            f"({SUPPORTED_COLOCATION})",
+        )
+    actor_workers = layout.actor.parallel.world_size
+    r = layout.rollout.parallel
+    wrong = []
+    if r.dp_size != actor_workers:
+        wrong.append(f"{r.dp_size} server(s) for {actor_workers} actor worker(s)")
+    if r.tp_size > 1 or r.pp_size > 1:
+        wrong.append(f"servers of t{r.tp_size} p{r.pp_size} (several GPUs each)")
+    if wrong:
+        yield FieldError(
+            "rollout.backend",
+            f"colocated rollout {cfg.rollout.backend!r} has {' and '.join(wrong)}; set "
+            f"rollout.backend: '{layout.rollout.backend}:d{actor_workers}t1p1' or "
+            f"{field}.type: separation ({SUPPORTED_COLOCATION})",
+        )
+
+
+# --- SGLang launch flags and request budgets ---
+
+
+def _sglang_flags(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    if not layout.sglang:
+        return
+    s = cfg.sglang
+    if s.enable_ep_moe:
+        yield FieldError(
+            "sglang.enable_ep_moe",
+            "--enable-ep-moe is not a flag of SGLang 0.5.9, 0.5.10.post1 or 0.5.23 (the "
+            "server exits at argument parsing); set sglang.enable_ep_moe: false and use "
+            "sglang.ep_size for expert parallelism",
+        )
+    if s.torchao_config:
+        yield FieldError(
+            "sglang.torchao_config",
+            f"--torchao-config is not a flag of {_SGLANG_VERSIONS}, whose server exits at "
+            "argument parsing; set sglang.torchao_config: ''",
+        )
+    if s.enable_nan_detection:
+        yield FieldError(
+            "sglang.enable_nan_detection",
+            f"--enable-nan-detection is not a flag of {_SGLANG_VERSIONS}, whose server exits "
+            "at argument parsing; set sglang.enable_nan_detection: false",
+        )
+
+
+def _context_budget(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    context = cfg.sglang.context_length
+    if context is None:
+        return  # the server takes the model's own window, unknown here
+    budgets = [("gconfig.max_tokens", cfg.gconfig.max_tokens)]
+    if cfg.eval_gconfig is not None:
+        budgets.append(("eval_gconfig.max_tokens", cfg.eval_gconfig.max_tokens))
+    if cfg.rollout.agent.engine_max_tokens is not None:
+        budgets.append(("rollout.agent.engine_max_tokens", cfg.rollout.agent.engine_max_tokens))
+    for field, tokens in budgets:
+        if tokens >= context:
+            yield FieldError(
+                field,
+                f"{tokens} is not below sglang.context_length {context}: the "
+                f"{layout.rollout.backend} server answers 400 when prompt + max_new_tokens "
+                f">= context_length; set {field}: {context - 1} (context_length - 1)",
+            )
+
+
+# --- the rollout / trainer hand-off ---
+
+
+def _consumer_batch(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    # The gate admits (eta + v + 1) x consumer_batch_size groups by version v while the
+    # trainer consumes batch_size per version: smaller, and it soon waits forever. Larger
+    # does not hang but is not harmless either: the surplus piles up and is trained on
+    # later, so samples lag more than max_head_offpolicyness versions.
+    consumer, batch = cfg.rollout.consumer_batch_size, cfg.train_dataset.batch_size
+    if consumer < batch:
+        yield FieldError(
+            "rollout.consumer_batch_size",
+            f"{consumer} is smaller than train_dataset.batch_size {batch}: the staleness "
+            f"gate admits {consumer} group(s) per weight version while the trainer waits for "
+            f"{batch}, so the run hangs without an error; set rollout.consumer_batch_size: "
+            f"{batch} (e.g. ${{train_dataset.batch_size}})",
+        )
+
+
+def _xccl_layout(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    if cfg.actor.weight_update_mode != "xccl":
+        return
+    pp = layout.rollout.parallel.pp_size
+    if pp > 1:
+        yield FieldError(
+            "actor.weight_update_mode",
+            f"xccl cannot reach pipeline-parallel servers (p{pp} in rollout.backend "
+            f"{cfg.rollout.backend!r}): a server joins the weight-update group with rank "
+            "rank_offset + tp_rank in every pipeline stage, so the stages collide; set "
+            "actor.weight_update_mode: disk, or p1 in rollout.backend",
+        )
+    s = cfg.sglang
+    if layout.sglang and s.dp_size > 1 and not s.enable_dp_attention:
+        yield FieldError(
+            "sglang.dp_size",
+            f"xccl with sglang.dp_size {s.dp_size} and no DP attention fails an assert in "
+            "SGLang's /init_weights_update_group (HTTP 500); set sglang.dp_size: 1, "
+            "sglang.enable_dp_attention: true, or actor.weight_update_mode: disk",
+        )
+
+
+def _batch_per_rank(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    # For the hybrid megatron form dp_size is the attention d.
+    dp, batch = layout.actor.parallel.dp_size, cfg.train_dataset.batch_size
+    if batch < dp:
+        yield FieldError(
+            "train_dataset.batch_size",
+            f"{batch} group(s) per step is fewer than the actor's {dp} data-parallel ranks "
+            f"(d{dp} in actor.backend {cfg.actor.backend!r}), so a rank would get no group; "
+            f"set train_dataset.batch_size to at least {dp} (a multiple of {dp} balances them)",
+        )
+
+
+CHECKS: tuple[Check, ...] = (
+    _awex,
+    _megatron_context_parallel,
+    _fsdp_data_parallel_only,
+    _colocation,
+    _lora,
+    _sglang_flags,
+    _context_budget,
+    _consumer_batch,
+    _xccl_layout,
+    _batch_per_rank,
+)
+
+
+def _allocation(cfg: PPOConfig, section: str) -> ModelAllocation | FieldError:
+    backend = getattr(cfg, section).backend
+    if backend == MISSING:
+        example = "'fsdp:d8'" if section == "actor" else "'sglang:d4t2'"
+        return FieldError(f"{section}.backend", f"is not set; set an allocation, e.g. {example}")
+    try:
+        return parse_backend(backend)
+    except FieldError as e:
+        return e.with_prefix(section)
+
+
+def unsupported(config: PPOConfig) -> list[FieldError]:
+    """Every setting of ``config`` the trainer cannot honour, each naming its dotted field."""
+    actor, rollout = _allocation(config, "actor"), _allocation(config, "rollout")
+    broken = [a for a in (actor, rollout) if isinstance(a, FieldError)]
+    if broken:
+        return broken
+    assert isinstance(actor, ModelAllocation) and isinstance(rollout, ModelAllocation)
+    layout = _Layout(actor=actor, rollout=rollout)
+    return [error for check in CHECKS for error in check(config, layout)]
+
+
+def refuse_unsupported(config: PPOConfig) -> None:
+    """Raise one :class:`ConfigError` listing every unsupported setting (one line each)."""
+    errors = unsupported(config)
+    if errors:
+        lines = "\n".join(f"  {e}" for e in errors)
+        raise ConfigError(
+            f"this port's trainer cannot run this config ({len(errors)} problem(s)):\n{lines}"
+        )
