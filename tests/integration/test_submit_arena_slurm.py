@@ -1,9 +1,13 @@
 """``submit_arena.sh`` on a real single-node Slurm cluster against a local Arena.
 
-The container binary is the stand-in (``tests/fakes/container_standin.py``): it records
-argv and binds and runs the command on the host. A CPU profile (the ``hf`` inference
-backend, FSDP on CPU, a tiny model) lets the controller job submit its worker jobs through
-``SlurmScheduler`` and train one step on this machine.
+Cluster in a box: ``examples/swe/arena_grpo_mini.yaml``, arena_grpo's mini twin at its own
+topology (an ``fsdp:d2`` actor, two rollout servers of TP 2, ``xccl`` weight sync over
+gloo, the ``session_gateway`` route mode), submitted exactly as on a cluster. The
+container binary is the stand-in (``tests/fakes/container_standin.py``): it records argv
+and binds and runs the command on the host. The controller job submits the worker jobs
+through ``SlurmScheduler`` and trains two steps; after each step's weight update both
+servers' greedy log-probs must equal the actor's on the same tokens
+(``actor.weight_sync_check``).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.slurm_cluster import SlurmCluster
 
@@ -28,7 +31,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "swe" / "submit_arena.sh"
 STANDIN = REPO / "tests" / "fakes" / "container_standin.py"
-LOCAL_PROFILE = REPO / "examples" / "swe" / "arena_local.yaml"
+MINI_PROFILE = REPO / "examples" / "swe" / "arena_grpo_mini.yaml"
 
 
 @pytest.fixture
@@ -55,38 +58,6 @@ def local_arena(tmp_path):
     finally:
         process.terminate()
         process.wait(timeout=30)
-
-
-def _cpu_profile(path: Path) -> Path:
-    """``arena_local.yaml`` moved onto Slurm: workers are jobs in the (stand-in) image."""
-    profile = yaml.safe_load(LOCAL_PROFILE.read_text())
-    profile["experiment_name"] = "arena-slurm"
-    profile["total_train_steps"] = 1
-    profile["cluster"]["fileroot"] = "${oc.env:AREAL_FILEROOT}"
-    profile["scheduler"] = {"type": "slurm"}
-    profile["train_dataset"]["batch_size"] = 2
-    profile["gconfig"]["n_samples"] = 2
-    profile["rollout"]["max_head_offpolicyness"] = 0
-    worker = {
-        "task_type": "worker",
-        "gpu": 0,
-        "cpu": 1,
-        "mem": 2,
-        "image": "${oc.env:AREAL_IMAGE}",
-        "cmd": "${oc.env:AREAL_PYTHON} -m areal.infra.rpc.rpc_server",
-        "env_vars": {"PYTHONPATH": "${oc.env:AREAL_DIR}", "HF_HUB_OFFLINE": "1"},
-        "additional_bash_cmds": ['set -a; source "$ARENA_CREDENTIALS_FILE"; set +a'],
-    }
-    profile["actor"]["scheduling_spec"] = [{**worker, "port_count": 2}]
-    profile["rollout"]["scheduling_spec"] = [{**worker, "port_count": 1}]
-    econfig = profile["econfig"]
-    econfig["arena_base_url"] = "${oc.env:ARENA_OPENAPI_BASE}"
-    econfig["arena_llm_route_mode"] = "gateway"
-    econfig["arena_mixture_epoch_size"] = 2
-    econfig["arena_result_dump_dir"] = "${cluster.fileroot}/arena_results/${trial_name}"
-    econfig["arena_streams"] = [{"name": "arith", "stream_id": "arith-easy"}]
-    path.write_text(yaml.safe_dump(profile, sort_keys=False))
-    return path
 
 
 class Watch:
@@ -132,7 +103,7 @@ def _files_containing(root: Path, needle: str) -> list[Path]:
     return found
 
 
-def test_check_arena_then_one_training_step_on_slurm(
+def test_arena_grpo_mini_twin_trains_two_steps_on_slurm(
     slurm_cluster: SlurmCluster, tmp_path, tiny_model_dir, local_arena
 ):
     base_url, arena_token = local_arena
@@ -155,7 +126,8 @@ def test_check_arena_then_one_training_step_on_slurm(
         },
         **slurm_cluster.env,
         "AREAL_DIR": str(REPO),
-        "CONFIG_PATH": str(_cpu_profile(tmp_path / "arena_slurm_cpu.yaml")),
+        "CONFIG_PATH": str(MINI_PROFILE),
+        "ARENA_STREAM_ID": "arith-length",  # length-scored: rewards differ within a group
         "AREAL_IMAGE": str(image),
         "AREAL_PYTHON": sys.executable,
         "MODEL_PATH": str(tiny_model_dir),
@@ -192,27 +164,35 @@ def test_check_arena_then_one_training_step_on_slurm(
     )
     assert set(watch.jobs) == {check_job}, watch.jobs  # no worker job was submitted
 
-    # 2. the full run: the controller submits worker jobs and trains one step
+    # 2. the full run: the controller submits worker jobs and trains two steps
     env["TRIAL_NAME"] = "train"
     done = subprocess.run(
         ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stdout + done.stderr
     train_job = done.stdout.strip().splitlines()[-1].split(";")[0]
-    watch.until_idle(timeout=480)
+    watch.until_idle(timeout=600)
     controller_log = (
         fileroot / "submissions" / "train" / f"controller-{train_job}.log"
     ).read_text()
-    stats = (
-        fileroot / "logs" / os.environ.get("USER", "root") / "arena-slurm" / "train" / "stats.jsonl"
-    )
-    if not stats.exists():
-        stats = next(fileroot.rglob("arena-slurm/train/stats.jsonl"), stats)
-    assert stats.exists(), controller_log[-4000:]
+    stats = next(fileroot.rglob("arena-grpo-mini/train/stats.jsonl"), None)
+    assert stats is not None, controller_log[-4000:]
     rows = [json.loads(x) for x in stats.read_text().splitlines() if x.strip()]
-    assert [r["global_step"] for r in rows] == [0], controller_log[-4000:]
+    assert [r["global_step"] for r in rows] == [0, 1], controller_log[-4000:]
+    for row in rows:
+        assert row["train/weight_version"] == row["global_step"] + 1
+        # both servers, after this step's update, against the actor (tolerance 1e-4 is
+        # also enforced by the run itself, which would have failed)
+        for server in (0, 1):
+            assert row[f"weight_sync/server{server}_max_abs_logp_diff"] <= 1e-4, row
+        assert row["ppo_actor/n_seqs"] == 4.0  # 2 prompts x 2 samples
+    assert any(row["ppo_actor/grad_norm"] > 0 for row in rows), rows  # weights did move
     worker_jobs = set(watch.jobs) - {check_job, train_job}
     assert len(worker_jobs) >= 2, watch.jobs  # actor and rollout roles ran as their own jobs
+    scripts = "\n".join(watch.jobs[j] for j in worker_jobs)
+    assert "--role actor" in scripts and "--role rollout" in scripts
+    # the embedded servers joined the weight-update group with 2 ranks each
+    assert sum("--tp-size 2" in a.replace("\0", " ") for a in watch.argv) >= 2, watch.argv
     assert slurm_cluster.job_ids() == []
 
     # 3. secrets: in no job script, scontrol output, argv, log or report

@@ -1,6 +1,6 @@
 """Graders of the local Arena: turn a harness's answer into a :class:`Grade`.
 
-Two graders, picked by :attr:`RewardSpec.grader`:
+Three graders, picked by :attr:`RewardSpec.grader`:
 
 * ``exact_match`` compares one expected answer (``grading: {answer: "42"}``). A numeric
   answer is matched against the last number in the text (or in the last ``\\boxed{..}``),
@@ -12,6 +12,10 @@ Two graders, picked by :attr:`RewardSpec.grader`:
   like imports, are setup) and the score is the fraction of tests that pass, so a
   half-right function earns half the reward. Options: ``timeout`` (seconds, default 10) and
   ``memory_mb`` (address-space cap, default 1024).
+* ``answer_length`` gives partial credit for the answer's length:
+  ``min(1, len(answer.strip()) / target_chars)`` (option ``target_chars``, default 64),
+  whatever the row. It is not a task: it gives even an untrained model rewards that differ
+  within a group, so smoke runs and CI exercise real gradients and weight updates.
 
 A wrong answer scores 0; :class:`GraderError` means the grader itself could not work
 (bad grading data, an interpreter that does not start) and maps to ``EVAL_FAILED``.
@@ -57,6 +61,8 @@ _SCHEMAS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = 
     "exact_match": (("answer",), (), ("numeric_tolerance",)),
     # `reference` is a known-good solution kept for dataset self-checks.
     "python_tests": (("tests",), ("entry_point", "reference"), ("timeout", "memory_mb")),
+    # any row: its grading data are not used
+    "answer_length": ((), ("answer", "tests", "entry_point", "reference"), ("target_chars",)),
 }
 
 
@@ -78,7 +84,7 @@ def validate_options(grader: str, options: Mapping[str, Any]) -> None:
     for key, value in options.items():
         if key not in names:
             raise GraderError(_unknown_key_message(key, names))
-        positive = key in ("timeout", "memory_mb")
+        positive = key in ("timeout", "memory_mb", "target_chars")
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise GraderError(f"option {key!r} must be a non-negative number, got {value!r}")
         if positive and value == 0:
@@ -94,6 +100,8 @@ def validate_grading(grader: str, grading: Mapping[str, Any]) -> None:
     for key in grading:
         if key not in required + optional:
             raise GraderError(_unknown_key_message(key, required + optional))
+    if grader == "answer_length":
+        return
     if grader == "exact_match":
         answer = grading["answer"]
         if isinstance(answer, bool) or not isinstance(answer, str | int | float):
@@ -425,11 +433,21 @@ def _python_tests(reward: RewardSpec, row: DatasetRow, answer: str) -> Grade:
     return Grade(passed / total, detail)
 
 
+# --- answer_length ---
+
+
+def _answer_length(reward: RewardSpec, row: DatasetRow, answer: str) -> Grade:
+    target = float(reward.options.get("target_chars", 64))
+    length = len(answer.strip())
+    return Grade(min(1.0, length / target), {"chars": length, "target_chars": target})
+
+
 # --- entry point ---
 
 GRADERS: dict[str, Callable[[RewardSpec, DatasetRow, str], Grade]] = {
     "exact_match": _exact_match,
     "python_tests": _python_tests,
+    "answer_length": _answer_length,
 }
 
 

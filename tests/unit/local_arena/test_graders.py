@@ -246,3 +246,28 @@ def test_memory_is_capped():
     )
     result = grade(small, _row(tests="assert allocation_fails()"), answer)
     assert result.score == 1.0, result.detail
+
+
+# --- answer_length ---
+
+LENGTH = RewardSpec("answer-length", "1.0.0", "answer_length", {"target_chars": 10})
+
+
+@pytest.mark.parametrize(
+    ("answer", "score"),
+    [
+        ("", 0.0),
+        ("   abcde  ", 0.5),  # 5 of 10 characters once stripped
+        ("0123456789", 1.0),
+        ("a much longer answer than the target", 1.0),  # capped at 1
+    ],
+)
+def test_answer_length_gives_partial_credit_for_any_row(answer, score):
+    graded = grade(LENGTH, _row(answer="42"), answer)
+    assert graded.score == pytest.approx(score)
+    assert graded.detail["target_chars"] == 10
+
+
+def test_answer_length_needs_a_positive_target():
+    with pytest.raises(GraderError, match="target_chars"):
+        grade(RewardSpec("l", "1", "answer_length", {"target_chars": 0}), _row(), "x")
