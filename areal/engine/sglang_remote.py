@@ -137,10 +137,12 @@ class RemoteInfEngine(InferenceEngine):
                 logger.exception("destroy callback %s failed", key)
 
     def destroy(self) -> None:
-        self._run_destroy_callbacks()
+        # rollouts first: cancelled ones release what they hold (Arena routes) before the
+        # callbacks delete it
         if self.workflow_executor is not None:
             self.workflow_executor.destroy()
             self.workflow_executor = None
+        self._run_destroy_callbacks()
         self.teardown_server()
         self._pool.shutdown(wait=False)
         self._initialized = False

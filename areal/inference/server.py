@@ -29,6 +29,7 @@ from areal.inference.engine import GenerationEngine, GenerationRequest, RequestE
 from areal.inference.sampling import SamplingParams
 from areal.utils import logging
 from areal.utils.lifeline import exit_with_parent
+from areal.utils.serving import GRACEFUL_SHUTDOWN_S
 
 __all__ = ["create_app", "main"]
 
@@ -333,7 +334,13 @@ def main(argv: list[str] | None = None) -> None:
         tp_size=args.tp_size,
     ).start()
     logger.info("serving %s on %s:%d (%s)", args.model_path, args.host, args.port, engine.device)
-    uvicorn.run(create_app(engine), host=args.host, port=args.port, log_level=args.log_level)
+    uvicorn.run(
+        create_app(engine),
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
 
 
 if __name__ == "__main__":

@@ -461,6 +461,8 @@ def main(argv: list[str] | None = None) -> None:
     gc.collect()
     gc.freeze()
     logger.info("proxy on %s:%d in front of %s", args.host, args.port, args.engine_addr)
+    from areal.utils.serving import GRACEFUL_SHUTDOWN_S
+
     uvicorn.run(
         server.app,
         host=args.host,
@@ -470,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         proxy_headers=False,
         backlog=4096,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
 
 

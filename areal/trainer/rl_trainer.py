@@ -109,8 +109,7 @@ class PPOTrainer:
         engine = ACTOR_ENGINES.get(actor_alloc.backend)
         if engine is None:
             raise ValueError(
-                f"actor.backend {cfg.actor.backend!r}: the trainer runs fsdp engines here; "
-                "megatron is not available in this build"
+                f"actor.backend {cfg.actor.backend!r}: the trainer runs fsdp or megatron actors"
             )
         self.actor = TrainController(engine, cfg.actor, self.scheduler, role="actor")
         self.actor.initialize(
@@ -309,7 +308,7 @@ class PPOTrainer:
             self.rollout.server_addrs,
             self.tokenizer,
             temperature=cfg.temperature,
-            n_data_parallel=parse_backend(cfg.backend).parallel.dp_size,
+            n_data_parallel=self.actor.dp_size,
             tolerance=cfg.weight_sync_check_tolerance,
         )
 

@@ -11,7 +11,11 @@ from typing import Any
 
 from areal.utils.network import find_free_port
 
-__all__ = ["serve_in_thread"]
+__all__ = ["GRACEFUL_SHUTDOWN_S", "serve_in_thread"]
+
+# Seconds a server waits for in-flight requests after SIGTERM before closing them: a
+# request parked behind a paused generation must not hold a shutdown for minutes.
+GRACEFUL_SHUTDOWN_S = 5
 
 
 @contextmanager
@@ -22,7 +26,14 @@ def serve_in_thread(
     import uvicorn
 
     port = port or find_free_port(host)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="auto")
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        lifespan="auto",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+    )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()

@@ -209,6 +209,16 @@ def _xccl_layout(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
             "SGLang's /init_weights_update_group (HTTP 500); set sglang.dp_size: 1, "
             "sglang.enable_dp_attention: true, or actor.weight_update_mode: disk",
         )
+    strategy = cfg.rollout.scheduling_strategy
+    colocated = strategy is not None and strategy.type == "colocation"
+    if colocated and cfg.cluster.n_gpus_per_node > 0:
+        yield FieldError(
+            "actor.weight_update_mode",
+            "xccl between colocated roles would put the trainer rank and a server rank of "
+            "the weight-update group on the same GPU, which NCCL refuses; set "
+            "actor.weight_update_mode: disk (or cluster.n_gpus_per_node: 0 on CPU, where "
+            "the group runs on gloo)",
+        )
 
 
 def _batch_per_rank(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:

@@ -1,12 +1,18 @@
-"""``TrainController``: the controller side of a data-parallel train engine (§7.7).
+"""``TrainController``: the controller side of a (model-)parallel train engine (§7.7).
 
 Creates one worker per rank, sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
-in each, creates the engine, and calls methods on all ranks concurrently. Batches are
-lists of trajectory dicts (one per rollout group, ``[n, L]`` tensors): a call splits the
-list over ranks by balanced token count (a group never straddles ranks), concatenates
-each rank's share into one padded batch, and splits the results back per group, in the
-original order. On the controller the data-parallel view is one rank, so the dataloader
-is not sharded.
+in each, creates the engine, initializes it on all ranks, then asks every rank for its
+data-parallel layout. Only DP heads take data: with tensor or pipeline parallelism the
+ranks of one model-parallel group must see the same batch, and the worker RPC server
+copies a head's arguments to the rest of its group (``broadcast_from_head``), so the other
+ranks get an empty call and answer null.
+
+Batches are lists of trajectory dicts (one per rollout group, ``[n, L]`` tensors): a call
+splits the list over the DP heads by balanced token count (a group never straddles
+ranks), concatenates each head's share into one padded batch, and splits the heads'
+results back per group, in the original order. Every other call (weights, checkpoints,
+versions, the LR step, stats) goes to every rank, since engines run collectives in them.
+On the controller the data-parallel view is one rank, so the dataloader is not sharded.
 """
 
 from __future__ import annotations
@@ -29,15 +35,23 @@ __all__ = ["TrainController", "balanced_partition"]
 logger = logging.getLogger("train.controller")
 
 SPLIT_BACK = ("compute_logp", "compute_advantages")
+# data calls: heads broadcast their share to their model-parallel group
+BROADCAST = {"broadcast": True}
+# calls answered by one rank, or with nothing to share: no collective on the worker
+NO_BROADCAST = {"broadcast": False}
 
 
 def balanced_partition(sizes: list[int], parts: int) -> list[list[int]]:
-    """Greedy longest-first assignment of items to the currently lightest part."""
+    """Greedy longest-first assignment of items to the currently lightest part.
+
+    Ties go to the part with fewer items, so no part stays empty while it has at least
+    as many items as parts (zero-size items included). Each part's indices are sorted.
+    """
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     loads = [0] * parts
     out: list[list[int]] = [[] for _ in range(parts)]
     for i in order:
-        p = min(range(parts), key=lambda k: (loads[k], k))
+        p = min(range(parts), key=lambda k: (loads[k], len(out[k]), k))
         out[p].append(i)
         loads[p] += sizes[i]
     return [sorted(group) for group in out]
@@ -48,12 +62,22 @@ def _tokens(trajectory: dict[str, torch.Tensor]) -> int:
 
 
 class TrainController:
+    """Drives the ranks of one train engine role; see the module docstring.
+
+    After :meth:`initialize`, ``dp_size`` is the engine's data-parallel size and
+    ``dp_heads`` the head worker of each DP rank, in DP-rank order.
+    """
+
     def __init__(self, engine_class: str, config: Any, scheduler: Scheduler, role: str = "actor"):
         self.engine_class = engine_class
         self.config = config
         self.scheduler = scheduler
         self.role = role
         self.workers: list[Worker] = []
+        self.dp_size = 0
+        self.dp_heads: list[Worker] = []
+        self._head_index: list[int] = []  # per DP rank: the index of its head worker
+        self._dp_rank_of: list[int | None] = []  # per worker: its DP rank, None off-head
 
     # --- lifecycle ---
 
@@ -82,7 +106,37 @@ class TrainController:
             )
         self._on_all("create_process_group")
         self._on_all("initialize", ft_spec=ft_spec)
-        logger.info("%s: %d rank(s) ready", self.role, world_size)
+        self._learn_layout()
+        logger.info("%s: %d rank(s) ready, %d data-parallel", self.role, world_size, self.dp_size)
+
+    def _learn_layout(self) -> None:
+        """Which workers are DP heads, and of which DP rank (non-heads answer null).
+
+        A rank that answers but is not a head would not get its head's arguments on the
+        worker (the engine is not an initialized train engine there): an error, as is any
+        layout other than exactly one head per DP rank.
+        """
+        answers = self._on_all("data_parallel_layout", rpc_meta=NO_BROADCAST)
+        heads = [(i, a) for i, a in enumerate(answers) if a is not None]
+        head_of_rank = {int(a["dp_rank"]): i for i, a in heads}
+        sizes = {int(a["dp_size"]) for _, a in heads}
+        n_heads = len(heads)
+        if (
+            sizes != {n_heads}
+            or sorted(head_of_rank) != list(range(n_heads))
+            or not all(a["is_head"] for _, a in heads)
+        ):
+            layout = {w.id: a for w, a in zip(self.workers, answers, strict=True)}
+            raise RuntimeError(
+                f"{self.role}: the engines report an inconsistent data-parallel layout "
+                f"(one head per DP rank expected): {layout}"
+            )
+        self.dp_size = n_heads
+        self._head_index = [head_of_rank[r] for r in range(n_heads)]
+        self.dp_heads = [self.workers[i] for i in self._head_index]
+        self._dp_rank_of = [None] * len(self.workers)
+        for dp_rank, i in enumerate(self._head_index):
+            self._dp_rank_of[i] = dp_rank
 
     def destroy(self) -> None:
         try:
@@ -93,33 +147,94 @@ class TrainController:
 
     # --- calls ---
 
-    def _call(self, worker: Worker, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.scheduler.call_engine(worker.id, method, *args, engine_name=worker.id, **kwargs)
+    def _call(
+        self,
+        worker: Worker,
+        method: str,
+        *args: Any,
+        rpc_meta: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        return self.scheduler.call_engine(
+            worker.id, method, *args, engine_name=worker.id, rpc_meta=rpc_meta, **kwargs
+        )
 
-    def _on_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        """The same call on every rank, concurrently (collectives need all of them)."""
+    def _on_all(
+        self, method: str, *args: Any, rpc_meta: dict[str, Any] | None = None, **kwargs: Any
+    ) -> list[Any]:
+        """The same call on every rank, concurrently (collectives need all of them).
+
+        Results are per worker; non-heads of an initialized engine return None.
+        """
         if not self.workers:
             return []
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.workers)) as pool:
-            futures = [pool.submit(self._call, w, method, *args, **kwargs) for w in self.workers]
+            futures = [
+                pool.submit(self._call, w, method, *args, rpc_meta=rpc_meta, **kwargs)
+                for w in self.workers
+            ]
             return [f.result() for f in futures]
 
-    def _dispatch(self, method: str, batch: list[dict[str, torch.Tensor]], **kwargs: Any):
-        """Split ``batch`` over ranks, call ``method`` on each share, gather per group."""
-        parts = balanced_partition([_tokens(t) for t in batch], len(self.workers))
+    def _from_head(self, method: str) -> Any:
+        """``method`` on every rank (it may be a collective), DP rank 0's answer."""
+        results = self._on_all(method)
+        return results[self._head_index[0]] if self._head_index else None
+
+    def _partition(self, batch: list[dict[str, torch.Tensor]]) -> list[list[int]]:
+        """Group indices per DP rank; every rank must get at least one whole group."""
+        if not self.dp_heads:
+            raise RuntimeError(f"{self.role}: call initialize() before sending batches")
+        if len(batch) < self.dp_size:
+            raise ValueError(
+                f"{self.role}: the batch has {len(batch)} rollout group(s) but the engine has "
+                f"{self.dp_size} data-parallel ranks, and each rank needs at least one whole "
+                f"group; set train_dataset.batch_size to at least {self.dp_size} (a multiple "
+                f"of the DP size {self.dp_size} balances best)"
+            )
+        parts = balanced_partition([_tokens(t) for t in batch], self.dp_size)
+        empty = [rank for rank, part in enumerate(parts) if not part]
+        if empty:  # balanced_partition avoids this; a silent empty share would hang a collective
+            raise ValueError(
+                f"{self.role}: data-parallel rank(s) {empty} would get no rollout group "
+                f"out of {len(batch)}; set train_dataset.batch_size to a multiple of the DP "
+                f"size {self.dp_size}"
+            )
+        return parts
+
+    def _dispatch(
+        self, method: str, batch: list[dict[str, torch.Tensor]], **kwargs: Any
+    ) -> list[Any]:
+        """Split ``batch`` over DP heads, call ``method`` on every rank, gather from heads.
+
+        Returns the heads' results in DP-rank order, or, for :data:`SPLIT_BACK` methods,
+        one result per group of ``batch``, in its order.
+        """
+        parts = self._partition(batch)
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.workers)) as pool:
             futures = []
-            for worker, part in zip(self.workers, parts, strict=True):
+            for worker, dp_rank in zip(self.workers, self._dp_rank_of, strict=True):
+                if dp_rank is None:  # receives its head's arguments inside the worker
+                    futures.append(pool.submit(self._call, worker, method, rpc_meta=BROADCAST))
+                    continue
+                part = parts[dp_rank]
                 share = concat_padded_tensors([batch[i] for i in part])
                 extra = dict(kwargs)
                 if method == "compute_advantages":
                     extra["group_sizes"] = [batch[i]["attention_mask"].shape[0] for i in part]
-                futures.append(pool.submit(self._call, worker, method, share, **extra))
-            results = [f.result() for f in futures]
+                futures.append(
+                    pool.submit(self._call, worker, method, share, rpc_meta=BROADCAST, **extra)
+                )
+            by_worker = [f.result() for f in futures]
+        results = [by_worker[i] for i in self._head_index]
         if method not in SPLIT_BACK:
             return results
         out: list[Any] = [None] * len(batch)
-        for part, result in zip(parts, results, strict=True):
+        for dp_rank, (part, result) in enumerate(zip(parts, results, strict=True)):
+            if result is None:
+                raise RuntimeError(
+                    f"{self.role}: {method} on the head of data-parallel rank {dp_rank} "
+                    f"({self.dp_heads[dp_rank].id}) returned nothing"
+                )
             row = 0
             for i in part:
                 n, width = batch[i]["attention_mask"].shape
@@ -130,14 +245,21 @@ class TrainController:
     # --- the actor interface used by the trainer ---
 
     def compute_logp(self, batch: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per-group log-probs ``[n, L]`` of the current weights, in batch order."""
         return self._dispatch("compute_logp", batch)
 
     def compute_advantages(self, batch: list[dict[str, torch.Tensor]]) -> list[dict]:
+        """Per-group trajectory dicts with ``advantages`` etc., in batch order."""
         return self._dispatch("compute_advantages", batch)
 
     def ppo_update(self, batch: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
-        per_rank = self._dispatch("ppo_update", batch)
-        return [stats for rank_stats in per_rank if rank_stats for stats in rank_stats]
+        """One stats dict per optimizer step (minibatch).
+
+        Engines reduce step statistics over the data-parallel ranks, so every head reports
+        the same list; DP rank 0's is returned.
+        """
+        per_head = self._dispatch("ppo_update", batch)
+        return list(per_head[0] or [])
 
     def step_lr_scheduler(self) -> None:
         self._on_all("lr_scheduler_step")
@@ -152,7 +274,9 @@ class TrainController:
         self._on_all("set_version", version)
 
     def get_version(self) -> int:
-        return self._call(self.workers[0], "get_version")
+        """DP rank 0's version (one rank only, so no argument broadcast on the worker)."""
+        head = self.dp_heads[0] if self.dp_heads else self.workers[0]
+        return self._call(head, "get_version", rpc_meta=NO_BROADCAST)
 
     def save(self, meta: SaveLoadMeta) -> None:
         self._on_all("save", _without_tokenizer(meta))
@@ -161,8 +285,8 @@ class TrainController:
         self._on_all("load", _without_tokenizer(meta))
 
     def export_stats(self) -> dict[str, float]:
-        stats = self._on_all("export_stats")
-        return stats[0] if stats else {}
+        """The engines' stats reduced over DP (a collective on every rank), from a head."""
+        return self._from_head("export_stats") or {}
 
     def should_compute_prox_logp(self) -> bool:
         return self.config.should_compute_prox_logp()
@@ -174,7 +298,8 @@ def _without_tokenizer(meta: SaveLoadMeta) -> SaveLoadMeta:
 
 
 def _slice_rows(result: Any, start: int, n: int, width: int) -> Any:
-    """Rows ``start:start+n`` of a rank's result, trimmed back to the group's width."""
+    """Rows ``start:start+n`` of a head's result (``[B, L]`` or ``[B]``), trimmed back to
+    the group's width ``L_group``: ``[n, L_group]`` or ``[n]``."""
     if isinstance(result, torch.Tensor):
         part = result[start : start + n]
         return part[:, :width] if part.dim() >= 2 else part

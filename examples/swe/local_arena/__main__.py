@@ -142,12 +142,15 @@ def main(argv: list[str] | None = None) -> None:
         f"LLM gateway at http://{args.host}:{args.port}/api)",
         file=sys.stderr,
     )
+    from areal.utils.serving import GRACEFUL_SHUTDOWN_S
+
     uvicorn.run(
         create_app(config),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
         access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
 
 

@@ -381,3 +381,18 @@ def test_flash_v3_is_refused_for_awex_context_parallelism_and_its_colocation(pro
         "colocation this port runs is type: colocation, target: actor, fork: true and one t1 "
         "p1 server per actor worker)",
     ]
+
+
+def test_xccl_with_colocation_on_gpus_is_refused_but_not_on_cpu():
+    colocated = {
+        "actor.weight_update_mode": "xccl",
+        "rollout.backend": "sglang:d2t1p1",
+        "rollout.scheduling_strategy": {"type": "colocation", "target": "actor", "fork": True},
+    }
+    only(
+        {**colocated, "cluster.n_gpus_per_node": 8},
+        "actor.weight_update_mode",
+        "same GPU, which NCCL refuses",
+        "actor.weight_update_mode: disk",
+    )
+    assert refused({**colocated, "cluster.n_gpus_per_node": 0}) == []

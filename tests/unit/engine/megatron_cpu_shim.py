@@ -68,6 +68,21 @@ class _HostStream:
 _HOST_STREAM = _HostStream()
 
 
+def _clip_grads_on_cpu(
+    parameters: Any, max_norm: float, total_norm: float, use_decoupled_grad: bool = False
+) -> None:
+    """Megatron's clip by total norm: scale every gradient by ``max_norm / total_norm``."""
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    attr = "decoupled_grad" if use_decoupled_grad else "grad"
+    coeff = max_norm / (total_norm + 1.0e-6)
+    if coeff < 1.0:
+        for param in parameters:
+            grad = getattr(param, attr, None)
+            if grad is not None:
+                grad.detach().mul_(coeff)
+
+
 def _patch(owner: Any, name: str, value: Any) -> None:
     _SAVED.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
@@ -105,6 +120,11 @@ def apply() -> None:
 
     for module in (clip_grads, mcore_optimizer, schedules, mcore_utils):
         _patch(module, "torch", _TorchOnCPU())
+    # activation recompute saves and restores the CUDA RNG state around each layer
+    _patch(mcore_random, "_get_cuda_rng_state", lambda *args, **kwargs: None)
+    _patch(mcore_random, "_set_cuda_rng_state", lambda *args, **kwargs: None)
+    # clipping asserts CUDA gradients and scales them with a fused CUDA kernel
+    _patch(mcore_optimizer, "clip_grad_by_total_norm_fp32", _clip_grads_on_cpu)
     # MoE: the all-to-all token dispatcher (the one that takes packed, variable-length
     # micro-batches) copies routing counts to the host on a side CUDA stream
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher

@@ -358,3 +358,59 @@ def test_flash_v3_dataset_config_types(profile_env):
     assert {s.reward_transform_fn for s in streams} == {
         "examples.swe.reward_transforms.identity_reward"
     }
+
+
+# --- mini twins: each shipped profile has one that keeps its topology ---
+
+MINI_TWINS = [
+    ("arena_grpo.yaml", "arena_grpo_mini.yaml"),
+    ("arena_multi_stream.yaml", "arena_multi_stream_mini.yaml"),
+    ("arena_flash_v3.yaml", "arena_flash_v3_mini.yaml"),
+]
+
+
+def _topology(cfg: SWEPPOConfig) -> dict:
+    rollout = ModelAllocation.from_str(cfg.rollout.backend).parallel
+    actor = ModelAllocation.from_str(cfg.actor.backend)
+    strategy = cfg.rollout.scheduling_strategy
+    return {
+        "rollout servers > 1": rollout.dp_size > 1,
+        "rollout tp": rollout.tp_size,
+        "rollout pp": rollout.pp_size,
+        "actor engine": actor.backend,
+        "actor ranks > 1": actor.parallel.world_size > 1,
+        "actor model parallel": actor.parallel.tp_size * actor.parallel.pp_size > 1,
+        "route mode": cfg.econfig.arena_llm_route_mode,
+        "agent": (cfg.rollout.agent.mode, cfg.rollout.agent.export_style),
+        "scheduling strategy": (strategy.type, strategy.target, strategy.fork),
+        "weight update": cfg.actor.weight_update_mode,
+        "multi-stream": bool(cfg.econfig.arena_streams or cfg.econfig.arena_streams_file),
+    }
+
+
+# What a mini twin may not keep, and why (each also said in the twin's header comment).
+MINI_DIFFERENCES = {
+    "arena_flash_v3_mini.yaml": {
+        # this port has no AWEX; NCCL cannot join two processes on one (colocated) GPU
+        "weight update": ("awex", "disk"),
+        # 4-way TP servers cannot be forked one per actor worker; colocation needs t1
+        "rollout tp": (4, 1),
+    },
+}
+
+
+@pytest.mark.parametrize(("parent", "twin"), MINI_TWINS)
+def test_each_profile_has_a_mini_twin_with_its_topology(profile_env, monkeypatch, parent, twin):
+    from areal.api.config.support import unsupported
+
+    monkeypatch.delenv("ACTOR_BACKEND", raising=False)
+    text = (SWE_DIR / twin).read_text()
+    assert f"  - {parent.removesuffix('.yaml')}\n" in text  # composes on the real profile
+    big, small = _topology(load(parent)), _topology(load(twin))
+    allowed = MINI_DIFFERENCES.get(twin, {})
+    for key, value in big.items():
+        if key in allowed:
+            assert (value, small[key]) == allowed[key], key
+        else:
+            assert small[key] == value, f"{twin} changes {key}: {value!r} -> {small[key]!r}"
+    assert unsupported(load(twin)) == []  # the twin runs at its shape here
