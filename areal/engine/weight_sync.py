@@ -22,7 +22,7 @@ import concurrent.futures
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -136,71 +136,74 @@ def _send_bucket(
     """Broadcast one bucket while the servers receive it (their HTTP call is ``received``).
 
     A server that refuses the bucket never enters the broadcast, so the trainer would
-    wait in it until the group's timeout; the broadcast runs on a helper thread and a
-    refusal fails the update at once.
+    wait in it until the group's timeout; a refusal fails the update at once.
     """
     from areal.utils.nccl_group import broadcast
 
-    sent: concurrent.futures.Future = concurrent.futures.Future()
-
     def send() -> None:
-        try:
-            if tensors and tensors[0].is_cuda:
-                torch.cuda.set_device(tensors[0].device)  # the current device is per thread
-            for tensor in tensors:
-                broadcast(group, tensor, src=0)
-            if tensors and tensors[0].is_cuda:
-                torch.cuda.synchronize()
-            sent.set_result(None)
-        except BaseException as e:  # reported through the future
-            sent.set_exception(e)
+        if tensors and tensors[0].is_cuda:
+            torch.cuda.set_device(tensors[0].device)  # the current device is per thread
+        for tensor in tensors:
+            broadcast(group, tensor, src=0)
+        if tensors and tensors[0].is_cuda:
+            torch.cuda.synchronize()
 
-    threading.Thread(target=send, name="weight-bucket-send", daemon=True).start()
-    concurrent.futures.wait([received, sent], return_when=concurrent.futures.FIRST_EXCEPTION)
-    if received.done() and received.exception() is not None:
-        raise RuntimeError(
-            "an inference server refused a weight bucket; the weight-update group can no "
-            f"longer be used: {received.exception()}"
-        )
-    sent.result()
-    received.result()
+    _alongside(
+        received,
+        send,
+        "weight-bucket-send",
+        "an inference server refused a weight bucket; the weight-update group can no "
+        "longer be used",
+    )
 
 
 def _join_weight_group(meta: WeightUpdateMeta, joined: concurrent.futures.Future):
     """Join the weight-update group as rank 0 while the servers join theirs.
 
-    The trainer's rendezvous store waits for every server rank, so joining runs on a
-    helper thread: a server that fails to join (its HTTP call errors) fails this call at
-    once instead of leaving rank 0 waiting for the rendezvous timeout.
+    The trainer's rendezvous store waits for every server rank; a server that fails to
+    join (its HTTP call errors) fails this call at once instead of leaving rank 0 waiting
+    for the rendezvous timeout.
     """
     from areal.utils.nccl_group import init_weight_update_group
 
-    created: concurrent.futures.Future = concurrent.futures.Future()
+    return _alongside(
+        joined,
+        lambda: init_weight_update_group(
+            backend=meta.comm_backend,
+            master_address=meta.nccl_master_address,
+            master_port=meta.nccl_master_port,
+            rank=0,
+            world_size=meta.group_world_size,
+            group_name=meta.nccl_group_name,
+        ),
+        "weight-group-join",
+        "an inference server failed to join the weight-update group",
+    )
 
-    def join() -> None:
+
+def _alongside(
+    servers: concurrent.futures.Future, work: Callable[[], Any], name: str, failure: str
+) -> Any:
+    """Run the trainer's half of a collective (``work``) on a helper thread while the
+    servers run theirs (``servers``, their HTTP calls); a server failure fails it at once.
+
+    Returns ``work()``'s result once both halves are done.
+    """
+    done: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
         try:
-            created.set_result(
-                init_weight_update_group(
-                    backend=meta.comm_backend,
-                    master_address=meta.nccl_master_address,
-                    master_port=meta.nccl_master_port,
-                    rank=0,
-                    world_size=meta.group_world_size,
-                    group_name=meta.nccl_group_name,
-                )
-            )
+            done.set_result(work())
         except BaseException as e:  # reported through the future
-            created.set_exception(e)
+            done.set_exception(e)
 
-    threading.Thread(target=join, name="weight-group-join", daemon=True).start()
-    concurrent.futures.wait([joined, created], return_when=concurrent.futures.FIRST_EXCEPTION)
-    if joined.done() and joined.exception() is not None:
-        raise RuntimeError(
-            f"an inference server failed to join the weight-update group: {joined.exception()}"
-        )
-    group = created.result()
-    joined.result()
-    return group
+    threading.Thread(target=run, name=name, daemon=True).start()
+    concurrent.futures.wait([servers, done], return_when=concurrent.futures.FIRST_EXCEPTION)
+    if servers.done() and servers.exception() is not None:
+        raise RuntimeError(f"{failure}: {servers.exception()}")
+    result = done.result()
+    servers.result()
+    return result
 
 
 def _experiment(engine: Any) -> tuple[str, str]:
