@@ -22,7 +22,7 @@ CODEX_PKG := @openai/codex@0.171.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: install test test-fast demo lint format clean agent-clis
+.PHONY: install test test-fast test-sglang demo lint format clean agent-clis
 
 install: $(STAMP)
 
@@ -39,6 +39,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# Only the SGLang conformance tier (also part of `make test`): the client against the real
+# sglang wheels, installed once into .cache/sglang-conformance (about 250 MB from PyPI).
+test-sglang: $(STAMP)
+	$(PY) tests/conformance/install_sglang.py
+	$(PY) -m pytest -m sglang tests/conformance $(PYTEST_ARGS)
 
 DEMO_ROOT ?= $(CURDIR)/.cache/demo
 

@@ -5,9 +5,13 @@ that hosts engines (a train engine rank, a rollout engine). The controller creat
 workers per *role* (``actor``, ``rollout``, ``proxy``...), creates engines on them, and
 calls engine methods over HTTP.
 
-Every RPC request carries the experiment's secret token in the ``X-Areal-Token`` header;
-workers read the expected token from the ``AREAL_RPC_TOKEN`` environment variable (set
-by the scheduler, never on a command line) and refuse calls without it (401).
+Controller and workers share the experiment's secret token, which workers read from the
+``AREAL_RPC_TOKEN`` environment variable (set by the scheduler, never on a command line).
+The token is never sent: every RPC request is signed with it (HMAC-SHA256 over method,
+host, path, timestamp, nonce and body digest) and so is every answer, so neither side
+acts on a peer that does not hold it; unsigned or stale requests get 401. The wire
+format is in :mod:`areal.infra.rpc.auth`. ``RPC_TOKEN_HEADER`` names the header that
+carried the token in clear before; it is kept for imports and ignored by servers.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from areal.api.cli_args import SchedulingSpec, SchedulingStrategy
 __all__ = ["RPC_TOKEN_ENV", "RPC_TOKEN_HEADER", "Job", "Scheduler", "Worker"]
 
 RPC_TOKEN_ENV = "AREAL_RPC_TOKEN"
-RPC_TOKEN_HEADER = "X-Areal-Token"
+RPC_TOKEN_HEADER = "X-Areal-Token"  # never sent any more (see the module docstring)
 
 
 @dataclass

@@ -135,9 +135,21 @@ class SGLangBackend:
     def onload_request(self, tags: list[str] | None) -> HttpRequest:
         return HttpRequest("/resume_memory_occupation", {"tags": tags} if tags else {})
 
-    def launch_command(self, server_args: dict[str, Any]) -> list[str]:
-        """argv of one server (``host``/``port`` included in ``server_args``)."""
-        return get_py_cmd("sglang.launch_server", server_args, python=sys.executable)
+    def launch_command(
+        self, server_args: dict[str, Any], api_key_from_env: bool = False
+    ) -> list[str]:
+        """argv of one server (``host``/``port`` included in ``server_args``).
+
+        With ``api_key_from_env``, SGLang starts through :mod:`areal.engine.sglang_launch`,
+        which hands SGLang the API key from ``AREAL_INFERENCE_API_KEY`` instead of argv.
+        """
+        from areal.api.config.inference import spell_for_sglang, target_sglang_version
+
+        module = "areal.engine.sglang_launch" if api_key_from_env else "sglang.launch_server"
+        # spelled for the SGLang installed here, where the server runs (the controller that
+        # built the arguments may have another version, or none)
+        args = spell_for_sglang(server_args, target_sglang_version())
+        return get_py_cmd(module, args, python=sys.executable)
 
     def server_args(
         self, sglang: SGLangConfig, host: str, port: int, tp_size: int = 1, base_gpu_id: int = 0
@@ -152,7 +164,10 @@ class HFBackend(SGLangBackend):
 
     name = "hf"
 
-    def launch_command(self, server_args: dict[str, Any]) -> list[str]:
+    def launch_command(
+        self, server_args: dict[str, Any], api_key_from_env: bool = False
+    ) -> list[str]:
+        # the embedded server reads AREAL_INFERENCE_API_KEY itself
         return get_py_cmd("areal.inference.server", server_args, python=sys.executable)
 
     def server_args(

@@ -6,6 +6,12 @@ log-probs, pause and continue, abort, weight updates from disk or over NCCL, mem
 release. ``agenerate`` is *interruptible*: when a weight update aborts a request, the
 partial output is kept and generation continues from it on the new weights, each token
 tagged with the version that produced it.
+
+Every call to a server carries ``Authorization: Bearer <key>`` (SGLang's ``--api-key``
+check; the embedded server applies the same). The key is ``AREAL_INFERENCE_API_KEY`` when
+that is set (one key per run, for servers this process did not start); otherwise the
+engine makes one when it first launches a server, so each rollout worker's servers have
+their own. It reaches servers and proxies through their environment, never their argv.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import collections
 import concurrent.futures
 import os
 import random
+import secrets
 import subprocess
 import time
 import uuid
@@ -35,11 +42,14 @@ from areal.api.io_struct import (
     WeightUpdateMeta,
 )
 from areal.engine.sglang_backend import HFBackend, SGLangBackend
+from areal.engine.stop_strings import ClientStops, split_stop_strings
+from areal.inference.auth import API_KEY_ENV
 from areal.infra import workflow_context
 from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils import logging, name_resolve, names
 from areal.utils.lifeline import child_env
 from areal.utils.network import find_free_port, gethostip, wait_healthy
+from areal.utils.secrets import SecretStr, reveal
 
 __all__ = ["HFBackend", "RemoteInfEngine", "RemoteSGLangEngine", "SGLangBackend"]
 
@@ -47,6 +57,14 @@ logger = logging.getLogger("engine.remote")
 
 DONE_REASONS = ("stop", "tool_calls", "length")
 STICKY_RIDS = 128
+AUTH_FAILURES = (401, 403)  # retrying cannot help: the key is wrong or missing
+
+
+def _auth_error(address: str, endpoint: str, status: int) -> RuntimeError:
+    return RuntimeError(
+        f"{endpoint} on {address}: HTTP {status}: the inference server refused this "
+        f"client's API key; set {API_KEY_ENV} to the key the server was started with"
+    )
 
 
 class RemoteInfEngine(InferenceEngine):
@@ -67,6 +85,75 @@ class RemoteInfEngine(InferenceEngine):
         )
         self.workflow_executor: WorkflowExecutor | None = None
         self._initialized = False
+        self._api_key = SecretStr(os.environ.get(API_KEY_ENV, "").strip())
+        self._tokenizerless: set[str] = set()  # servers run with skip_tokenizer_init
+        logging.register_secret(self._api_key)
+
+    # --- authentication ---
+
+    @property
+    def api_key(self) -> SecretStr:
+        """The key sent to every server (empty until one is set or generated)."""
+        return self._api_key
+
+    def _ensure_api_key(self) -> str:
+        """The key, generated on first need (one per engine, i.e. per rollout worker)."""
+        if not self._api_key:
+            self._api_key = SecretStr(secrets.token_urlsafe(32))
+            logging.register_secret(self._api_key)
+        return reveal(self._api_key)
+
+    def _auth_headers(self) -> dict[str, str]:
+        key = reveal(self._api_key)
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _check_api_key(self, address: str) -> None:
+        """Fail now, not at the first generation, if ``address`` refuses this client.
+
+        ``/health`` stays open on SGLang and the embedded server, so a protected route is
+        asked: ``/get_model_info``, which both serve.
+        """
+        try:
+            status = httpx.get(
+                f"http://{address}/get_model_info", headers=self._auth_headers(), timeout=30
+            ).status_code
+        except httpx.HTTPError as e:
+            logger.warning("could not check the API key on %s: %s", address, e)
+            return
+        if status in AUTH_FAILURES:
+            raise _auth_error(address, "/get_model_info", status)
+
+    def _learn_tokenizer(self, address: str) -> None:
+        """Whether ``address`` runs without a tokenizer (SGLang ``skip_tokenizer_init``)."""
+        try:
+            response = httpx.get(
+                f"http://{address}/get_server_info", headers=self._auth_headers(), timeout=30
+            )
+            info = response.json() if response.status_code == 200 else {}
+        except (httpx.HTTPError, ValueError) as e:
+            logger.warning("could not read the server info of %s: %s", address, e)
+            return
+        if isinstance(info, dict) and info.get("skip_tokenizer_init"):
+            self._tokenizerless.add(address)
+
+    def _server_sampling(
+        self, address: str, g: Any, tokenizer: Any
+    ) -> tuple[Any, ClientStops | None]:
+        """What to send to ``address`` for ``g``, and the stops the client must apply.
+
+        A server without a tokenizer refuses stop strings and ``min_new_tokens``; stop
+        strings are split between it (one-token ones, as ids) and this client.
+        """
+        if address not in self._tokenizerless or not (g.stop or g.min_new_tokens):
+            return g, None
+        if g.min_new_tokens:
+            raise ValueError(
+                f"min_new_tokens={g.min_new_tokens} needs a server that tokenizes; {address} "
+                "runs with sglang.skip_tokenizer_init (SGLang needs the tokenizer's EOS id)"
+            )
+        stops = split_stop_strings(list(g.stop), tokenizer)
+        sent = g.new(stop=None, stop_token_ids=[*g.stop_token_ids, *stops.token_ids])
+        return sent, stops
 
     # --- lifecycle ---
 
@@ -79,6 +166,8 @@ class RemoteInfEngine(InferenceEngine):
         self.addresses = self._discover(addr)
         for address in self.addresses:
             self._wait_healthy(address)
+            self._check_api_key(address)
+            self._learn_tokenizer(address)
         self._server_index = random.randrange(len(self.addresses))
         self.workflow_executor = WorkflowExecutor(self.config, self)
         self.workflow_executor.initialize()
@@ -154,6 +243,11 @@ class RemoteInfEngine(InferenceEngine):
     def launch_server(self, server_args: dict[str, Any]) -> LocalInfServerInfo:
         """Start one local server; ``host``/``port`` are filled in when absent."""
         args = dict(server_args)
+        if "api_key" in args:
+            raise ValueError(
+                f"server_args must not hold api_key: the key goes through {API_KEY_ENV}, "
+                "never the server's command line"
+            )
         args.setdefault("host", gethostip())
         args["port"] = args.get("port") or find_free_port()
         env = dict(os.environ)
@@ -161,7 +255,8 @@ class RemoteInfEngine(InferenceEngine):
             os.environ.get("AREAL_CACHE_DIR", f"/tmp/areal-{os.getuid()}"),
             f"triton-{uuid.uuid4().hex[:8]}",
         )
-        command = self.backend.launch_command(args)
+        env[API_KEY_ENV] = self._ensure_api_key()
+        command = self.backend.launch_command(args, api_key_from_env=True)
         info = self._start_healthy(command, env, args["host"], int(args["port"]))
         self.local_servers.append(info)
         return info
@@ -228,6 +323,10 @@ class RemoteInfEngine(InferenceEngine):
             str(self.config.request_timeout),
             "--session-timeout",
             str(getattr(agent, "session_timeout_seconds", 3600)),
+            "--max-body-bytes",
+            str(agent.max_body_bytes),
+            "--export-timeout",
+            str(agent.export_timeout_seconds),
         ]
         if agent.engine_max_tokens is not None:  # caps prompt + completion of every call
             cmd += ["--engine-max-tokens", str(agent.engine_max_tokens)]
@@ -238,7 +337,10 @@ class RemoteInfEngine(InferenceEngine):
             cmd += ["--message-preprocessor", path]
         if agent.prefix_matcher:
             cmd += ["--prefix-matcher", agent.prefix_matcher]
-        info = self._start_healthy(cmd, {**os.environ, "SWE_RL_ADMIN_API_KEY": admin}, host, port)
+        env = {**os.environ, "SWE_RL_ADMIN_API_KEY": admin}
+        if self._api_key:  # the proxy's own engine client reads it (RemoteSGLangEngine)
+            env[API_KEY_ENV] = reveal(self._api_key)
+        info = self._start_healthy(cmd, env, host, port)
         self.local_proxies.append(info)
         self._tell_proxies("/rl/set_version", {"version": self._version})
         return f"http://{info.address}"
@@ -310,20 +412,28 @@ class RemoteInfEngine(InferenceEngine):
     ) -> Any:
         pool = workflow_context.get_http_pool()
         body = orjson.dumps(request.payload)
+        headers = self._auth_headers()
         last: Exception | None = None
         for attempt in range(retries):
             try:
                 status, raw = await pool.request(
-                    request.method, address, request.endpoint, body, timeout
+                    request.method, address, request.endpoint, body, timeout, headers=headers
                 )
-                if status >= 300:
-                    text = raw[:500].decode(errors="replace")
-                    raise RuntimeError(f"{request.endpoint} on {address}: HTTP {status}: {text}")
-                return orjson.loads(raw)
-            except (ConnectionError, TimeoutError, RuntimeError, orjson.JSONDecodeError) as e:
+            except (ConnectionError, TimeoutError) as e:
                 last = e
-                if attempt < retries - 1:
-                    await asyncio.sleep(1)
+            else:
+                if status in AUTH_FAILURES:
+                    raise _auth_error(address, request.endpoint, status)
+                if status < 300:
+                    try:
+                        return orjson.loads(raw)
+                    except orjson.JSONDecodeError as e:
+                        last = e
+                else:
+                    text = raw[:500].decode(errors="replace")
+                    last = RuntimeError(f"{request.endpoint} on {address}: HTTP {status}: {text}")
+            if attempt < retries - 1:
+                await asyncio.sleep(1)
         raise RuntimeError(
             f"{request.endpoint} on {address} failed after {retries} attempts: {last}"
         )
@@ -341,6 +451,7 @@ class RemoteInfEngine(InferenceEngine):
             )
         start = time.perf_counter()
         address = self._choose_server(req.rid)
+        sent, stops = self._server_sampling(address, g, req.tokenizer)
         input_ids = list(req.input_ids)
         tokens: list[int] = []
         logprobs: list[float] = []
@@ -352,7 +463,7 @@ class RemoteInfEngine(InferenceEngine):
             version = self.get_version()
             request = self.backend.build_generation_request(
                 ModelRequest(
-                    input_ids=input_ids, gconfig=g, rid=req.rid, image_data=req.image_data
+                    input_ids=input_ids, gconfig=sent, rid=req.rid, image_data=req.image_data
                 ),
                 max_new_tokens=budget - len(tokens),
                 version=version,
@@ -367,6 +478,10 @@ class RemoteInfEngine(InferenceEngine):
             logprobs += result.output_logprobs
             versions += [version] * len(result.output_tokens)
             input_ids += result.output_tokens
+            keep = stops.cut(tokens, req.tokenizer) if stops is not None else None
+            if keep is not None:  # a stop string the server could not match
+                del tokens[keep:], logprobs[keep:], versions[keep:]
+                reason = "stop"
         if reason == "abort":
             reason = "length"
         latency = time.perf_counter() - start
@@ -395,8 +510,11 @@ class RemoteInfEngine(InferenceEngine):
                         response = httpx.post(
                             f"http://{address}{request.endpoint}",
                             json=request.payload,
+                            headers=self._auth_headers(),
                             timeout=self.config.request_timeout,
                         )
+                        if response.status_code in AUTH_FAILURES:
+                            raise _auth_error(address, request.endpoint, response.status_code)
                         if response.status_code < 300:
                             break
                         last = RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
@@ -484,6 +602,7 @@ class RemoteInfEngine(InferenceEngine):
             response = httpx.post(
                 f"http://{address}{request.endpoint}",
                 json=request.payload,
+                headers=self._auth_headers(),
                 timeout=self.config.request_timeout,
             )
             if response.status_code >= 300:

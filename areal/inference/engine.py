@@ -4,6 +4,12 @@ Requests queue up; each iteration the thread admits waiting requests (prefilled 
 then merged into the running batch) and advances every running request by one token.
 Control commands (pause, abort, weight reload, ...) run between iterations, so a forward
 pass never races a weight swap. Results go back through ``concurrent.futures.Future``.
+
+A failure that can be pinned on one request fails that request alone: a prefill forward
+pass that raises is retried one request at a time, and a row the sampler cannot sample
+(:class:`~areal.inference.sampling.SamplingError`, or any error when that row is sampled
+alone) fails only its request. Requests whose future was cancelled (an HTTP deadline) leave
+the batch at the next step. Only a decode forward pass that raises fails the whole batch.
 """
 
 from __future__ import annotations
@@ -20,11 +26,17 @@ import torch
 from transformers import DynamicCache
 
 from areal.inference.batch import RunningBatch, cache_kwarg, prefill_inputs
-from areal.inference.sampling import SamplingParams, sample_tokens
+from areal.inference.sampling import SamplingParams, SamplingParamsError, sample_tokens
 from areal.inference.weight_group import WeightUpdateRanks, join_weight_update_group
 from areal.utils import logging
 
-__all__ = ["GenerationEngine", "GenerationRequest", "GenerationResult", "RequestError"]
+__all__ = [
+    "GenerationEngine",
+    "GenerationRequest",
+    "GenerationResult",
+    "RequestError",
+    "SequenceError",
+]
 
 logger = logging.getLogger("inference.engine")
 
@@ -37,6 +49,25 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None):
         super().__init__(message)
         self.param = param
+
+
+class SequenceError(RuntimeError):
+    """Generation failed for this request alone (the others batched with it go on)."""
+
+
+def _settle(
+    future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None
+) -> None:
+    """Resolve ``future`` unless it is already done (e.g. cancelled by a deadline)."""
+    if future.done():
+        return
+    try:
+        if error is None:
+            future.set_result(result)
+        else:
+            future.set_exception(error)
+    except concurrent.futures.InvalidStateError:
+        pass  # cancelled between the check and the set
 
 
 @dataclass
@@ -110,6 +141,7 @@ class GenerationEngine:
         self._lock = threading.Lock()
         self._waiting: collections.deque[_Sequence] = collections.deque()
         self._running: list[_Sequence] = []
+        self._admitting: list[_Sequence] = []  # taken from the queue, not yet running
         self._batch = RunningBatch()
         self._commands: collections.deque[tuple[str, dict, concurrent.futures.Future]] = (
             collections.deque()
@@ -191,7 +223,12 @@ class GenerationEngine:
                 "input_ids",
             )
         p = request.params
-        if len(ids) + p.max_new_tokens >= self.context_length:
+        try:
+            p.verify()
+        except SamplingParamsError as e:
+            raise RequestError(f"sampling_params.{e}", f"sampling_params.{e.field}") from e
+        # max_new_tokens None means up to the context length (SGLang's meaning)
+        if p.max_new_tokens is not None and len(ids) + p.max_new_tokens >= self.context_length:
             raise RequestError(
                 f"Requested token count exceeds the model's maximum context length of "
                 f"{self.context_length} tokens. You requested a total of "
@@ -210,16 +247,19 @@ class GenerationEngine:
         self.validate(request)
         params = request.params
         generator = None
-        if params.sampling_seed is not None and params.temperature > 0:
+        if params.sampling_seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device).manual_seed(params.sampling_seed)
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.eos_ids
+        max_new_tokens = params.max_new_tokens
+        if max_new_tokens is None:
+            max_new_tokens = self.context_length - len(request.input_ids) - 1
         seq = _Sequence(
             request=request,
             future=concurrent.futures.Future(),
             stop_ids=stop_ids,
-            max_new_tokens=params.max_new_tokens,
+            max_new_tokens=max_new_tokens,
             generator=generator,
         )
         with self._lock:
@@ -255,6 +295,7 @@ class GenerationEngine:
                 continue
             try:
                 with torch.inference_mode():
+                    self._drop_cancelled()
                     self._admit()
                     if self._running:
                         self._decode()
@@ -270,9 +311,11 @@ class GenerationEngine:
                     return
                 name, kwargs, future = self._commands.popleft()
             try:
-                future.set_result(getattr(self, f"_cmd_{name}")(**kwargs))
+                result = getattr(self, f"_cmd_{name}")(**kwargs)
             except Exception as e:
-                future.set_exception(e)
+                _settle(future, error=e)
+            else:
+                _settle(future, result)
 
     def _take_waiting(self) -> list[_Sequence]:
         group: list[_Sequence] = []
@@ -287,19 +330,50 @@ class GenerationEngine:
                 longest = longest_if_added
         return group
 
+    def _drop_cancelled(self) -> None:
+        """Forget requests nobody waits for any more (their HTTP deadline passed)."""
+        with self._lock:
+            if any(s.future.cancelled() for s in self._waiting):
+                self._waiting = collections.deque(
+                    s for s in self._waiting if not s.future.cancelled()
+                )
+        keep = [i for i, s in enumerate(self._running) if not s.future.cancelled()]
+        if len(keep) < len(self._running):
+            self.stats["cancelled_requests"] += len(self._running) - len(keep)
+            self._running = [self._running[i] for i in keep]
+            self._batch.keep(keep)
+
     def _admit(self) -> None:
         group = self._take_waiting()
         if not group:
             return
+        self._admitting = group
+        try:
+            self._prefill(group)
+        finally:
+            self._admitting = []
+
+    def _prefill(self, group: list[_Sequence]) -> None:
+        """Prefill ``group`` together and merge it into the running batch."""
         inputs = prefill_inputs([s.request.input_ids for s in group], self.device)
         cache = DynamicCache()
-        out = self.model(**inputs, **{self._cache_kw: cache}, use_cache=True)
-        tokens = self._sample(out.logits[:, -1], group)
-        keep = self._record(group, tokens)
+        try:
+            out = self.model(**inputs, **{self._cache_kw: cache}, use_cache=True)
+        except Exception as e:
+            if len(group) == 1:
+                self._fail(group[0], e, "prefill")
+                return
+            # one prompt may be what breaks the pass: give each its own
+            logger.warning("prefill of %d requests failed (%s); retrying one by one", len(group), e)
+            for seq in group:
+                self._prefill([seq])
+            return
+        tokens, logprobs, failed = self._sample(out.logits[:, -1], group)
+        keep = self._record(group, tokens, logprobs, failed)
         self.stats["prefill_tokens"] += int(inputs["attention_mask"].sum())
         if keep:
             staged = RunningBatch()
-            staged.merge(cache, inputs["attention_mask"], tokens[0])
+            staged.merge(cache, inputs["attention_mask"], tokens)
             staged.keep(keep)
             self._batch.merge(staged.cache, staged.mask, staged.next_tokens)
             self._running.extend(group[i] for i in keep)
@@ -308,14 +382,39 @@ class GenerationEngine:
         out = self.model(
             **self._batch.decode_inputs(), **{self._cache_kw: self._batch.cache}, use_cache=True
         )
-        tokens = self._sample(out.logits[:, -1], self._running)
-        self._batch.advance(tokens[0])
-        keep = self._record(self._running, tokens)
+        tokens, logprobs, failed = self._sample(out.logits[:, -1], self._running)
+        self._batch.advance(tokens)
+        keep = self._record(self._running, tokens, logprobs, failed)
         self._running = [self._running[i] for i in keep]
         self._batch.keep(keep)
         self.stats["decode_steps"] += 1
 
     def _sample(
+        self, logits: torch.Tensor, seqs: list[_Sequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[int, Exception]]:
+        """Sample every row; returns tokens, log-probs and the rows that failed (by index).
+
+        When the batch cannot be sampled, each row is sampled on its own, so a row that
+        breaks sampling fails alone (failed rows get token 0, and are dropped).
+        """
+        try:
+            tokens, logprobs = self._sample_rows(logits, seqs)
+            return tokens, logprobs, {}
+        except Exception as e:
+            logger.warning("sampling a batch of %d failed (%s); sampling rows alone", len(seqs), e)
+        tokens = torch.zeros(len(seqs), dtype=torch.long, device=logits.device)
+        logprobs = torch.zeros(len(seqs), dtype=torch.float32, device=logits.device)
+        failed: dict[int, Exception] = {}
+        for i, seq in enumerate(seqs):
+            try:
+                token, logprob = self._sample_rows(logits[i : i + 1], [seq])
+            except Exception as e:
+                failed[i] = e
+                continue
+            tokens[i], logprobs[i] = token[0], logprob[0]
+        return tokens, logprobs, failed
+
+    def _sample_rows(
         self, logits: torch.Tensor, seqs: list[_Sequence]
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return sample_tokens(
@@ -327,23 +426,43 @@ class GenerationEngine:
         )
 
     def _record(
-        self, seqs: list[_Sequence], sampled: tuple[torch.Tensor, torch.Tensor]
+        self,
+        seqs: list[_Sequence],
+        tokens: torch.Tensor,
+        logprobs: torch.Tensor,
+        failed: dict[int, Exception],
     ) -> list[int]:
-        """Append each row's new token; finish rows that stop. Returns rows still running."""
-        tokens, logprobs = sampled[0].tolist(), sampled[1].tolist()
+        """Append each row's new token; finish rows that stop or failed. Returns rows still
+        running."""
+        token_list, logprob_list = tokens.tolist(), logprobs.tolist()
         now = time.perf_counter()
         keep = []
         for i, seq in enumerate(seqs):
-            seq.output_ids.append(tokens[i])
-            seq.output_logprobs.append(logprobs[i])
+            if i in failed:
+                self._fail(seq, failed[i], "sampling")
+                continue
+            seq.output_ids.append(token_list[i])
+            seq.output_logprobs.append(logprob_list[i])
             seq.first_token = seq.first_token or now
             self.stats["generated_tokens"] += 1
-            finish = self._finish_reason(seq)
+            try:
+                finish = self._finish_reason(seq)
+            except Exception as e:  # e.g. decoding this row's tail for stop strings
+                self._fail(seq, e, "stop check")
+                continue
             if finish is None:
                 keep.append(i)
             else:
                 self._resolve(seq, finish)
         return keep
+
+    def _fail(self, seq: _Sequence, error: Exception, stage: str) -> None:
+        """Fail one request, leaving the rest of its batch running."""
+        logger.warning("request %s failed in %s: %s", seq.request.rid, stage, error)
+        self.stats["failed_requests"] += 1
+        failure = SequenceError(f"generation failed in {stage}: {error}")
+        failure.__cause__ = error
+        _settle(seq.future, error=failure)
 
     def _finish_reason(self, seq: _Sequence) -> dict[str, Any] | None:
         token = seq.output_ids[-1]
@@ -370,8 +489,7 @@ class GenerationEngine:
             latency=now - seq.created,
             ttft=None if seq.first_token is None else seq.first_token - seq.created,
         )
-        if not seq.future.done():
-            seq.future.set_result(result)
+        _settle(seq.future, result)
 
     def _abort_all(self, message: str, include_waiting: bool, rid: str | None = None) -> int:
         aborted = 0
@@ -397,10 +515,10 @@ class GenerationEngine:
         return aborted
 
     def _fail_running(self, error: Exception) -> None:
-        for seq in self._running:
-            if not seq.future.done():
-                seq.future.set_exception(error)
+        for seq in [*self._running, *self._admitting]:
+            _settle(seq.future, error=error)
         self._running = []
+        self._admitting = []
         self._batch.clear()
 
     # --- commands (run on the engine thread) ---

@@ -9,7 +9,14 @@ Endpoints: ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info``,
 ``POST /generate``, ``POST /pause_generation``, ``POST /continue_generation``,
 ``POST /abort_request``, ``POST /update_weights_from_disk``, ``POST /flush_cache``,
 ``POST /release_memory_occupation``, ``POST /resume_memory_occupation``. Bad requests get
-HTTP 400 with ``{"error": {"message", "type", "param"}}``; the server keeps serving.
+HTTP 400 with ``{"error": {"message", "type", "param"}}``; the server keeps serving. A
+request whose generation fails alone (see :mod:`areal.inference.engine`) gets 500.
+
+Authentication is SGLang's (:mod:`areal.inference.auth`): with the key in
+``AREAL_INFERENCE_API_KEY`` every route but ``/health*`` needs ``Authorization: Bearer
+<key>`` (401 otherwise). Without a key the server only listens on loopback. Transport
+limits (body size, header/body/idle timeouts, request deadline) are in
+:mod:`areal.inference.limits`.
 """
 
 from __future__ import annotations
@@ -17,6 +24,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ipaddress
+import os
+import socket
 import uuid
 from typing import Any
 
@@ -25,7 +35,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
+from areal.inference.auth import API_KEY_ENV, APIKeyMiddleware
 from areal.inference.engine import GenerationEngine, GenerationRequest, RequestError
+from areal.inference.limits import LimitsMiddleware, ServerLimits, guarded_http_protocol
 from areal.inference.sampling import SamplingParams
 from areal.utils import logging
 from areal.utils.lifeline import exit_with_parent
@@ -37,19 +49,58 @@ logger = logging.getLogger("inference.server")
 
 
 class SamplingParamsBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """SGLang's ``sampling_params`` keys (an unknown key is a 400, as SGLang refuses it).
 
-    max_new_tokens: int = Field(128, ge=1)
-    min_new_tokens: int = Field(0, ge=0)
-    temperature: float = Field(1.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    Ranges are checked by :meth:`SamplingParams.verify`, SGLang's rules; keys SGLang knows
+    but this server does not implement must keep their defaults.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     stop_token_ids: list[StrictInt] | None = None
     stop: list[str] | str | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     sampling_seed: int | None = None
+    # accepted and without effect here (text formatting, streaming)
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    stream_interval: int | None = None
+    # SGLang features this server does not have
+    n: int = 1
+    stop_regex: str | list[str] | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    custom_params: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+
+    def unsupported(self) -> str | None:
+        """The first set key this server does not implement, if any."""
+        if self.n != 1:
+            return "n"
+        for name in (
+            "stop_regex",
+            "json_schema",
+            "regex",
+            "ebnf",
+            "structural_tag",
+            "custom_params",
+            "logit_bias",
+        ):
+            if getattr(self, name) is not None:
+                return name
+        return None
 
 
 class GenerateBody(BaseModel):
@@ -120,8 +171,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{field}: {first.get('msg')}" if field else str(first.get("msg"))), field
 
 
-def create_app(engine: GenerationEngine) -> FastAPI:
-    """The HTTP app over a started :class:`GenerationEngine` (stopped on shutdown)."""
+def create_app(
+    engine: GenerationEngine, *, api_key: str | None = None, limits: ServerLimits | None = None
+) -> FastAPI:
+    """The HTTP app over a started :class:`GenerationEngine` (stopped on shutdown).
+
+    With ``api_key`` every route but ``/health*`` needs ``Authorization: Bearer
+    <api_key>``; ``limits`` (default :class:`ServerLimits`) caps bodies and deadlines.
+    """
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -177,6 +234,12 @@ def create_app(engine: GenerationEngine) -> FastAPI:
         if body.lora_path:
             raise RequestError("LoRA adapters are not supported by this server", "lora_path")
         p = body.sampling_params
+        unsupported = p.unsupported()
+        if unsupported:
+            raise RequestError(
+                f"sampling_params.{unsupported} is not supported by this server",
+                f"sampling_params.{unsupported}",
+            )
         stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
         params = SamplingParams(
             max_new_tokens=p.max_new_tokens,
@@ -184,17 +247,22 @@ def create_app(engine: GenerationEngine) -> FastAPI:
             temperature=p.temperature,
             top_p=p.top_p,
             top_k=p.top_k,
+            min_p=p.min_p,
             stop_token_ids=list(p.stop_token_ids or []),
             stop=stop,
             ignore_eos=p.ignore_eos,
             skip_special_tokens=p.skip_special_tokens,
             frequency_penalty=p.frequency_penalty,
+            presence_penalty=p.presence_penalty,
+            repetition_penalty=p.repetition_penalty,
             sampling_seed=p.sampling_seed,
         )
         rid = body.rid or uuid.uuid4().hex
-        result = await asyncio.wrap_future(
-            engine.submit(GenerationRequest(list(body.input_ids), params, rid))
-        )
+        future = engine.submit(GenerationRequest(list(body.input_ids), params, rid))  # 400s
+        try:
+            result = await asyncio.wrap_future(future)
+        except Exception as e:  # this request alone failed; the others go on
+            return _error(500, f"generation of request {rid} failed: {e}")
         meta: dict[str, Any] = {
             "id": result.rid,
             "finish_reason": result.finish_reason,
@@ -276,7 +344,21 @@ def create_app(engine: GenerationEngine) -> FastAPI:
             abort_all_requests=body.abort_all_requests,
         )
 
+    # the last added runs first: authentication before any body byte is read
+    app.add_middleware(LimitsMiddleware, limits=limits or ServerLimits())
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` is reachable from this machine only."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -315,13 +397,74 @@ def _parser() -> argparse.ArgumentParser:
         "device; TP ranks beyond the first receive every broadcast and drop it)",
     )
     parser.add_argument("--log-level", default="warning")
+    defaults = ServerLimits()
+    limits = parser.add_argument_group(
+        "limits", f"the API key is read from {API_KEY_ENV}, never from the command line"
+    )
+    limits.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=defaults.max_body_bytes,
+        help="largest request body in bytes; larger ones get 413 (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=defaults.max_header_bytes,
+        help="largest request line plus headers in bytes; 431 above (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=defaults.header_timeout,
+        help="seconds for a request's line and headers to arrive; 408 after (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=float,
+        default=defaults.body_timeout,
+        help="seconds for a request body to arrive; 408 after (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=defaults.keep_alive_timeout,
+        help="seconds an idle keep-alive connection stays open (default: %(default)s)",
+    )
+    limits.add_argument(
+        "--request-deadline",
+        type=float,
+        default=defaults.request_deadline,
+        help="seconds until an unanswered request gets 504 and its generation is cancelled; "
+        "0 disables (default: %(default)s)",
+    )
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        limits = ServerLimits(
+            max_body_bytes=args.max_body_bytes,
+            max_header_bytes=args.max_header_bytes,
+            header_timeout=args.header_timeout,
+            body_timeout=args.body_timeout,
+            keep_alive_timeout=args.keep_alive_timeout,
+            request_deadline=args.request_deadline,
+        )
+    except ValueError as e:
+        parser.error(str(e))
+    # read once and dropped from the environment, so nothing this process starts inherits it
+    api_key = os.environ.pop(API_KEY_ENV, "").strip()
+    if not api_key and not _is_loopback(args.host):
+        parser.error(
+            f"set {API_KEY_ENV}: without an API key this server only listens on loopback, "
+            f"and {args.host!r} can be reached from other machines"
+        )
+    logging.register_secret(api_key)
     exit_with_parent()  # stop with the rollout worker that launched this server
     engine = GenerationEngine(
         args.model_path,
@@ -333,12 +476,16 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.random_seed,
         tp_size=args.tp_size,
     ).start()
+    if not api_key:
+        logger.warning("no %s: serving %s without authentication", API_KEY_ENV, args.host)
     logger.info("serving %s on %s:%d (%s)", args.model_path, args.host, args.port, engine.device)
     uvicorn.run(
-        create_app(engine),
+        create_app(engine, api_key=api_key or None, limits=limits),
         host=args.host,
         port=args.port,
         log_level=args.log_level,
+        http=guarded_http_protocol(limits),
+        timeout_keep_alive=limits.keep_alive_timeout,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
 

@@ -15,6 +15,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
+import json
 import os
 import random
 import threading
@@ -24,9 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal.api.cli_args import InferenceEngineConfig
-from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
+from areal.api.scheduler_api import RPC_TOKEN_ENV
 from areal.infra import workflow_context
 from areal.infra.grouped_workflow import resolve_workflow
+from areal.infra.rpc.auth import signed_headers
 from areal.infra.staleness_manager import StalenessManager
 from areal.utils import logging, stats_tracker
 from areal.utils.data import concat_padded_tensors
@@ -202,12 +204,17 @@ class WorkflowExecutor:
 
             session = await workflow_context.get_aiohttp_session()
             url = addr if addr.startswith("http") else f"http://{addr}"
-            # the controller's callback server wants the experiment's RPC token
+            # the controller's callback server admits only requests signed with the run's
+            # RPC token (areal.infra.rpc.auth); the token itself is never sent
             token = os.environ.get(RPC_TOKEN_ENV, "")
+            body = json.dumps({"task_id": task_id}).encode()
+            headers = {"content-type": "application/json"}
+            if token:
+                headers.update(signed_headers(token, "POST", url, body))
             async with session.post(
                 url,
-                json={"task_id": task_id},
-                headers={RPC_TOKEN_HEADER: token} if token else None,
+                data=body,
+                headers=headers,
                 timeout=aiohttp.ClientTimeout(total=CALLBACK_TIMEOUT),
             ) as response:
                 response.raise_for_status()

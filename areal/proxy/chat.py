@@ -8,6 +8,7 @@ with the prompt tokens the engine received and the tokens and log-probs it retur
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import json
@@ -19,9 +20,11 @@ from typing import Any
 
 from areal.api.cli_args import GenerationHyperparameters
 from areal.api.io_struct import ModelRequest, ModelResponse
+from areal.proxy.errors import ChatRequestError, ContextLengthExceededError, InvalidRequestError
 from areal.proxy.interaction import Interaction, InteractionCache
 from areal.proxy.messages import MessagePreprocessor, prepare_messages
 from areal.proxy.parsers import ReasoningParser, ToolCallParser, process_tool_calls
+from areal.proxy.validation import check_chat_request
 from areal.utils import logging, stats_tracker
 
 __all__ = ["ChatGenerator", "ChatRequestError", "ContextLengthExceededError", "GeneratedChat"]
@@ -53,18 +56,6 @@ ALLOWED_ARGS = frozenset(
 )
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_ENGINE_TOTAL_TOKENS = 32768
-
-
-class ChatRequestError(ValueError):
-    """A request this proxy refuses (HTTP 400), naming the field."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class ContextLengthExceededError(ChatRequestError):
-    """The prompt leaves no room for generation (HTTP 400, ``context_length_exceeded``)."""
 
 
 @dataclass
@@ -167,11 +158,13 @@ class ChatGenerator:
         self.render([{"role": "user", "content": "warm-up"}], None, None)
 
     def _fast_encoder(self) -> Callable[[str], list[int]] | None:
-        """The Rust tokenizer's own ``encode``, when it is what ``tokenizer(text)`` runs.
+        """The Rust tokenizer's own batch encoder, when it is what ``tokenizer(text)`` runs.
 
         A fast tokenizer with no truncation, padding or special-token splitting encodes
-        exactly like its backend; the wrapper only adds Python overhead per call. Checked
-        once on a probe text; anything else keeps the wrapper.
+        exactly like its backend; the wrapper only adds Python overhead per call. The batch
+        entry point is used because it releases the GIL while it encodes, so a long prompt
+        tokenized on a worker thread does not stall the event loop. Checked once on a probe
+        text; anything else keeps the wrapper.
         """
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None or getattr(self.tokenizer, "split_special_tokens", False):
@@ -182,7 +175,7 @@ class ChatGenerator:
             return None
 
         def encode(text: str) -> list[int]:
-            return backend.encode(text, add_special_tokens=False).ids
+            return backend.encode_batch([text], add_special_tokens=False)[0].ids
 
         special = "".join(str(t) for t in self.tokenizer.all_special_tokens)
         probe = f' Hi there!{special}\n  déjà vu\t{{"a": [1, 2]}}\n'
@@ -268,10 +261,6 @@ class ChatGenerator:
         }
 
     def _budget(self, kwargs: dict[str, Any], prompt_len: int) -> tuple[int, int]:
-        if kwargs.get("max_tokens") is not None and kwargs.get("max_completion_tokens") is not None:
-            raise ChatRequestError(
-                "give max_tokens or max_completion_tokens, not both", "max_tokens"
-            )
         max_completion = kwargs.get("max_completion_tokens", kwargs.get("max_tokens"))
         caps = [
             c for c in (kwargs.get("max_total_tokens"), self.engine_max_tokens) if c is not None
@@ -320,14 +309,67 @@ class ChatGenerator:
 
     # --- the call ---
 
+    @staticmethod
+    def _from_request(fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` for a step that depends only on the request (400 if it fails).
+
+        Preparing and rendering messages fails only on what the client sent (a shape the
+        chat template or a preprocessor cannot take), so such a failure is reported as a
+        bad request naming ``messages``, never as a failure of the proxy.
+        """
+        try:
+            return fn(*args)
+        except InvalidRequestError:
+            raise
+        except Exception as e:
+            logger.warning("cannot render a request: %s: %s", type(e).__name__, e)
+            raise ChatRequestError(
+                "the messages cannot be rendered with this model's chat template: "
+                f"{type(e).__name__}: {e}",
+                "messages",
+            ) from None
+
+    async def _request_step(self, offload: bool, fn: Callable[..., Any], *args: Any) -> Any:
+        if offload:
+            return await asyncio.to_thread(self._from_request, fn, *args)
+        return self._from_request(fn, *args)
+
+    def _render_prompt(
+        self,
+        parent: Interaction | None,
+        messages: list[dict],
+        tools: list[dict] | None,
+        template_kwargs: dict | None,
+    ) -> tuple[list[int] | None, list[int]]:
+        """The concat prompt (None when there is none or it does not align), and the prompt."""
+        concat = None
+        if self.chat_template_type == "concat" and parent is not None:
+            concat = self._concat_prompt(parent, messages, tools, template_kwargs)
+        if concat is not None:
+            return concat, concat
+        return None, self.render(messages, tools, template_kwargs)
+
     async def create(
         self,
         body: dict[str, Any],
         cache: InteractionCache | None = None,
         seed_key: str | None = None,
         request_index: int | None = None,
+        *,
+        offload: bool = False,
+        validated: bool = False,
     ) -> GeneratedChat:
-        """Serve one chat request; record it in ``cache`` unless ``store`` is false."""
+        """Serve one chat request; record it in ``cache`` unless ``store`` is false.
+
+        A failure while checking, preparing or rendering the request is the request's (an
+        :class:`InvalidRequestError`, HTTP 400); the engine call and what follows it are
+        where the proxy itself can fail.
+        ``offload`` renders and tokenizes the prompt on a worker thread (for large
+        requests, so other sessions keep being served); ``validated`` skips the checks
+        of :func:`check_chat_request` when the caller has run them.
+        """
+        if not validated:
+            check_chat_request(body)
         dropped = sorted(
             k for k in body if k not in ALLOWED_ARGS and body[k] not in (None, False, [], {})
         )
@@ -337,39 +379,38 @@ class ChatGenerator:
             )
         if (body.get("n") or 1) != 1:
             raise ChatRequestError("only n=1 is supported (one completion per request)", "n")
-        raw_messages = body.get("messages")
-        if not isinstance(raw_messages, list) or not raw_messages:
-            raise ChatRequestError("messages must be a non-empty list", "messages")
-        messages = prepare_messages(raw_messages, self.preprocessors)
+        if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+            raise ChatRequestError(
+                "give max_tokens or max_completion_tokens, not both", "max_tokens"
+            )
         tools = _normalize_tools(body.get("tools"))
         extra = body.get("extra_body") or {}
         template_kwargs = extra.get("chat_template_kwargs") if isinstance(extra, dict) else None
         store = body.get("store", True) is not False and cache is not None
 
+        messages = await self._request_step(
+            offload, prepare_messages, body["messages"], self.preprocessors
+        )
+        parent = cache.find_parent(messages)[0] if store else None  # type: ignore[union-attr]
+        concat, prompt = await self._request_step(
+            offload, self._render_prompt, parent, messages, tools, template_kwargs
+        )
         interaction = None
-        parent = None
         if store:
-            assert cache is not None
-            parent, _ = cache.find_parent(messages)
             interaction = Interaction(
                 id=_completion_id(),
                 messages=[dict(m) for m in messages],
                 chat_template_type=self.chat_template_type,
             )
-        prompt = None
-        if self.chat_template_type == "concat" and parent is not None:
-            prompt = self._concat_prompt(parent, messages, tools, template_kwargs)
-            if prompt is None:
-                stats_tracker.get("rollout").scalar(**{"proxy/concat_prefix_mismatch": 1.0})
-                logger.warning(
-                    "concat prompt of a child of %s could not be aligned; training it alone",
-                    parent.id,
-                )
-                if interaction is not None:
-                    interaction.concat_prefix_mismatch = True
-                parent = None
-        if prompt is None:
-            prompt = self.render(messages, tools, template_kwargs)
+        if self.chat_template_type == "concat" and parent is not None and concat is None:
+            stats_tracker.get("rollout").scalar(**{"proxy/concat_prefix_mismatch": 1.0})
+            logger.warning(
+                "concat prompt of a child of %s could not be aligned; training it alone",
+                parent.id,
+            )
+            if interaction is not None:
+                interaction.concat_prefix_mismatch = True
+            parent = None
         if interaction is not None:
             interaction.parent = parent
             interaction.prompt_tokens = list(prompt)
@@ -392,6 +433,7 @@ class ChatGenerator:
             stop=None if self.chat_template_type == "concat" or not stop else stop,
             stop_token_ids=list(self.stop_ids),
         )
+        # --- the engine call: failures from here on are the proxy's, not the request's ---
         response = await self.engine.agenerate(
             ModelRequest(
                 input_ids=list(prompt),

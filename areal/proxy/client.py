@@ -2,7 +2,7 @@
 
 Starting a session is retried until it succeeds on transient statuses (408, 429, 502,
 503, 504) and connection errors; ending one up to 10 times; exporting once (it waits for
-the session to finish, so it has no client timeout).
+the session to finish, so it has no client timeout; the proxy bounds that wait).
 """
 
 from __future__ import annotations
@@ -122,12 +122,19 @@ class OpenAIProxyClient:
         discount: float = 1.0,
         style: str = "individual",
         drop_retry_orphans: bool = False,
+        last_reward: float | None = None,
     ) -> dict[str, ExportedInteraction]:
+        """The session's interactions; ``last_reward`` first overrides the last one's reward.
+
+        The session must have been ended (the proxy refuses rewards from its key after
+        that, so a reward decided afterwards travels with the export).
+        """
         body = {
             "session_id": session_id,
             "discount": discount,
             "style": style,
             "drop_retry_orphans": drop_retry_orphans,
+            "last_reward": last_reward,
         }
         result = await self._post("/export_trajectories", body, self._admin, timeout=None)
         return deserialize_interactions(result["interactions"])

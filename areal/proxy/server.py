@@ -2,8 +2,8 @@
 
 ``python -m areal.proxy.server --host H --port N --engine-addr HOST:PORT
 --tokenizer-path PATH [--tool-call-parser NAME] [--reasoning-parser NAME]
-[--chat-template-type hf|concat] [--engine-max-tokens N]`` reads the admin key from
-``SWE_RL_ADMIN_API_KEY`` (never from argv) and refuses to start without one.
+[--chat-template-type hf|concat] [--engine-max-tokens N] [limits, see below]`` reads the
+admin key from ``SWE_RL_ADMIN_API_KEY`` (never from argv) and refuses to start without one.
 
 Session endpoints (admin key): ``POST /grant_capacity``, ``/rl/start_session``,
 ``/export_trajectories``, ``/rl/set_version``, ``/rl/pause``, ``/rl/resume``. Session-key
@@ -13,18 +13,34 @@ gateway key with ``X-Session-Id``/``X-Session-Token``): ``POST /chat/completions
 and not). ``GET /health``; ``HEAD /``.
 
 Status codes: 401 no/unknown key or bad session headers, 403 a key without the needed
-capability (not admin on admin endpoints, the gateway key on reward/end), 410 a key whose
-session is gone, 400 a malformed request (``context_length_exceeded`` when the prompt
-leaves no room), 422 a non-JSON content type, 429 no session capacity, 500 a failure
-inside the proxy (reported to the session's diagnostics).
+capability (not admin on admin endpoints, the gateway key on reward/end), 410 a key or
+session token whose session has ended (no more generation or rewards) or was exported,
+400 a malformed request naming the field (``context_length_exceeded`` when the prompt
+leaves no room), 408 a request whose headers or body stall, 409 an export of a session
+that was not ended within ``--export-timeout``, 413 a body over ``--max-body-bytes``,
+431 headers over ``--max-header-bytes``, 422 a non-JSON content type, 429 no session
+capacity, 500 a failure inside the proxy (reported to the session's diagnostics). A
+client error never marks the session as having seen a system failure.
+
+Limits (flags; defaults in parentheses): ``--max-body-bytes`` (16 MiB) for every
+endpoint, checked against ``Content-Length`` first and while reading; ``--body-timeout``
+(60 s without body bytes); ``--header-timeout`` (30 s for a request's headers);
+``--max-header-bytes`` (64 KiB); ``--idle-timeout`` (300 s for a kept-alive connection
+between requests); ``--export-timeout`` (300 s for a session to end before its export
+fails). Requests of 64 KiB or more are parsed and tokenized on worker threads, so one
+large prompt does not stall the other sessions; at most two of 1 MiB or more run at once.
+Session ids are ``<task_id>-<n>.<nonce>`` with a random nonce per start
+(``--session-id-nonce`` to choose it), so no id repeats across exports or resumed runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import base64
 import contextlib
 import gc
+import math
 import os
 import sys
 from collections.abc import AsyncIterator, Iterable
@@ -36,22 +52,40 @@ import orjson
 from areal.infra import workflow_context
 from areal.proxy.adapters.protocols import (
     SSE_HEADERS,
-    ProtocolRequestError,
+    Translated,
     error_body,
     from_chat,
     sse_chunks,
     stream_events,
     to_chat,
 )
-from areal.proxy.asgi import App, Endpoint, Request, Response, StreamingResponse
-from areal.proxy.chat import ChatGenerator, ChatRequestError, ContextLengthExceededError
+from areal.proxy.asgi import (
+    CLOSE,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    App,
+    BodyTimeoutError,
+    BodyTooLargeError,
+    Endpoint,
+    Request,
+    Response,
+    StreamingResponse,
+)
+from areal.proxy.chat import ChatGenerator
+from areal.proxy.errors import ContextLengthExceededError, InvalidRequestError
+from areal.proxy.http_protocol import (
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_MAX_HEADER_BYTES,
+    guarded_http_protocol,
+)
 from areal.proxy.interaction import COLUMN_DTYPES, Interaction, PrefixMatcher
 from areal.proxy.keys import candidate_tokens, derive_gateway_key, same_secret, validate_admin_key
+from areal.proxy.memory import MemoryReleaser
 from areal.proxy.messages import MessagePreprocessor
 from areal.proxy.sessions import ProxyAuthError, Session, SessionStore
 from areal.utils import logging
 
-__all__ = ["ProxyServer", "main", "serialize_interactions"]
+__all__ = ["ProxyServer", "main", "serialize_interactions", "uvicorn_options"]
 
 logger = logging.getLogger("proxy.server")
 
@@ -65,10 +99,11 @@ def error(
     message: str,
     kind: str = "invalid_request_error",
     anthropic: bool = False,
+    param: str | None = None,
     **extra: Any,
 ) -> Response:
     protocol = "anthropic" if anthropic else "chat_completions"
-    return json_response(error_body(protocol, message, kind, **extra), status)
+    return json_response(error_body(protocol, message, kind, param, **extra), status)
 
 
 def _packed(values: Any, dtype: str, shape: list[int]) -> dict[str, Any]:
@@ -120,16 +155,51 @@ class _Endpoint:
             kind = {
                 401: "authentication_error",
                 403: "permission_error",
+                404: "not_found_error",
                 429: "rate_limit_error",
             }.get(e.status, "invalid_request_error")
             return error(e.status, e.message, kind, anthropic)
         except ContextLengthExceededError as e:
             detail = {"type": "context_length_exceeded", "message": str(e)}
             return error(400, str(e), "context_length_exceeded", anthropic, detail=detail)
-        except ChatRequestError as e:
-            return error(400, str(e), "invalid_request_error", anthropic)
+        except InvalidRequestError as e:
+            return error(400, str(e), "invalid_request_error", anthropic, e.param)
+        except BodyTooLargeError as e:
+            return too_large(e, anthropic)
+        except BodyTimeoutError as e:
+            response = error(408, f"{e} (--body-timeout)", "request_timeout", anthropic)
+            response.headers.append(CLOSE)
+            return response
         except Exception as e:
             return error(500, f"{type(e).__name__}: {e}", "api_error", anthropic)
+
+
+def too_large(e: BodyTooLargeError, anthropic: bool = False) -> Response:
+    """413 naming the limit and how to raise it; the connection closes (the rest is unread)."""
+    mib = e.limit / 2**20
+    message = (
+        f"{e} ({mib:g} MiB); raise it with the proxy's --max-body-bytes flag "
+        "(rollout.agent.max_body_bytes)"
+    )
+    response = error(413, message, "request_too_large", anthropic, limit=e.limit)
+    response.headers.append(CLOSE)
+    return response
+
+
+def _number(body: dict[str, Any], name: str, default: float | None) -> float | None:
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InvalidRequestError(f"{name} must be a finite number, got {value!r}", name)
+    return float(value)
+
+
+OFFLOAD_BYTES = 64 * 1024  # bodies this large are parsed and tokenized on worker threads
+LARGE_BYTES = 1024 * 1024  # bodies this large are prepared at most LARGE_SLOTS at a time
+LARGE_SLOTS = 2
+DEFAULT_EXPORT_TIMEOUT_S = 300.0
+DEFAULT_IDLE_TIMEOUT_S = 300
 
 
 class ProxyServer:
@@ -153,12 +223,21 @@ class ProxyServer:
         deterministic: bool = False,
         role: str = "proxy",
         worker_index: int = 0,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+        export_timeout: float = DEFAULT_EXPORT_TIMEOUT_S,
+        run_nonce: str | None = None,
     ):
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
+        if body_timeout <= 0 or export_timeout <= 0:
+            raise ValueError("body_timeout and export_timeout must be positive seconds")
         self.admin_key = validate_admin_key(admin_api_key, host)
         self.gateway_key = derive_gateway_key(self.admin_key)
         self.engine = engine
         self.role, self.worker_index = role, worker_index
-        self.store = SessionStore(self.admin_key, session_timeout, prefix_matcher)
+        self.export_timeout = export_timeout
+        self.store = SessionStore(self.admin_key, session_timeout, prefix_matcher, run_nonce)
         self.chat = ChatGenerator(
             engine,
             tokenizer,
@@ -170,9 +249,17 @@ class ProxyServer:
             expected_temperature=expected_temperature,
             deterministic=deterministic,
         )
+        self._large = asyncio.Semaphore(LARGE_SLOTS)
+        self._memory = MemoryReleaser()
         logging.register_secret(self.admin_key)
         logging.register_secret(self.gateway_key)
-        self.app = App(self._routes(), lifespan=self._lifespan)
+        self.app = App(
+            self._routes(),
+            lifespan=self._lifespan,
+            max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
+            too_large=lambda path, e: too_large(e, anthropic=path == "/v1/messages"),
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self) -> AsyncIterator[None]:
@@ -188,7 +275,18 @@ class ProxyServer:
         if not any(same_secret(t, self.admin_key) for t in tokens):
             raise ProxyAuthError(403, "this endpoint needs the admin key")
 
-    def _session(self, request: Request, allow_gateway: bool = True) -> Session:
+    def _session(
+        self, request: Request, allow_gateway: bool = True, allow_ended: bool = False
+    ) -> Session:
+        """The request's session; 410 once it has ended, unless ``allow_ended``."""
+        session = self._lookup_session(request, allow_gateway)
+        if session.finished and not allow_ended:
+            raise ProxyAuthError(
+                410, f"session {session.session_id!r} has ended: no more generation or rewards"
+            )
+        return session
+
+    def _lookup_session(self, request: Request, allow_gateway: bool) -> Session:
         tokens = candidate_tokens(request.headers)
         if not tokens:
             raise ProxyAuthError(401, "missing API key")
@@ -205,19 +303,29 @@ class ProxyServer:
                 )
         raise ProxyAuthError(401, "unknown API key")
 
-    async def _body(self, request: Request, require_json: bool = True) -> dict[str, Any]:
-        if require_json and "json" not in request.headers.get("content-type", ""):
+    @staticmethod
+    def _require_json(request: Request) -> None:
+        if "json" not in request.headers.get("content-type", ""):
             raise ProxyAuthError(422, "Content-Type must be application/json")
-        raw = await request.body()
+
+    @staticmethod
+    def _parse(raw: bytes) -> dict[str, Any]:
         if not raw:
             return {}
         try:
             body = orjson.loads(raw)
         except ValueError:
-            raise ProxyAuthError(400, "the request body is not valid JSON") from None
+            raise InvalidRequestError(
+                "the request body is not valid JSON (UTF-8 text of one JSON object)"
+            ) from None
         if not isinstance(body, dict):
-            raise ProxyAuthError(400, "the request body must be a JSON object")
+            raise InvalidRequestError("the request body must be a JSON object")
         return body
+
+    async def _body(self, request: Request, require_json: bool = True) -> dict[str, Any]:
+        if require_json:
+            self._require_json(request)
+        return self._parse(await request.body())
 
     # --- management ---
 
@@ -242,14 +350,12 @@ class ProxyServer:
     async def start_session(self, request: Request) -> Response:
         self._require_admin(request)
         body = await self._body(request, require_json=False)
-        task_id = body.get("task_id")
-        if not isinstance(task_id, str) or not task_id:
-            raise ProxyAuthError(400, "task_id must be a non-empty string")
-        session = self.store.start(task_id, body.get("api_key"), body.get("metadata"))
+        session = self.store.start(body.get("task_id"), body.get("api_key"), body.get("metadata"))
         return json_response({"session_id": session.session_id, "api_key": session.api_key})
 
     async def end_session(self, request: Request) -> Response:
-        session = self._session(request, allow_gateway=False)
+        # idempotent while the session is still here: a retried end gets the same answer
+        session = self._session(request, allow_gateway=False, allow_ended=True)
         session.finish()
         return json_response({"message": "success", **session.diagnostics()})
 
@@ -258,12 +364,17 @@ class ProxyServer:
         body = await self._body(request, require_json=False)
         reward = body.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, (int, float)):
-            raise ProxyAuthError(400, "reward must be a number")
+            raise InvalidRequestError("reward must be a number", "reward")
+        if not math.isfinite(reward):
+            raise InvalidRequestError(f"reward must be finite, got {reward!r}", "reward")
+        interaction_id = body.get("interaction_id")
+        if interaction_id is not None and not isinstance(interaction_id, str):
+            raise InvalidRequestError("interaction_id must be a string or null", "interaction_id")
         session.touch()
         try:
-            target = session.cache.set_reward(body.get("interaction_id"), float(reward))
+            target = session.cache.set_reward(interaction_id, float(reward))
         except KeyError as e:
-            raise ProxyAuthError(400, str(e.args[0])) from None
+            raise InvalidRequestError(str(e.args[0]), "interaction_id") from None
         return json_response({"message": "success", "interaction_id": target.id})
 
     async def export_trajectories(self, request: Request) -> Response:
@@ -272,29 +383,58 @@ class ProxyServer:
         session_id = body.get("session_id")
         if not isinstance(session_id, str):
             raise ProxyAuthError(422, "session_id is required")
+        discount = _number(body, "discount", 1.0)
+        if discount is None or discount < 0:
+            raise InvalidRequestError(f"discount must be >= 0, got {discount!r}", "discount")
+        style = body.get("style", "individual")
+        if style not in ("individual", "concat"):
+            raise InvalidRequestError(
+                f"style must be 'individual' or 'concat', got {style!r}", "style"
+            )
+        drop_orphans = body.get("drop_retry_orphans", False)
+        if not isinstance(drop_orphans, bool):
+            raise InvalidRequestError("drop_retry_orphans must be a boolean", "drop_retry_orphans")
+        last_reward = _number(body, "last_reward", None)
         session = self.store.get(session_id)
         if session is None:
             raise ProxyAuthError(404, f"unknown session {session_id!r}")
-        await session.finished_event().wait()
-        if body.get("drop_retry_orphans"):
-            session.cache.drop_retry_orphans()
-        session.cache.apply_reward_discount(float(body.get("discount", 1.0)))
         try:
-            exported = session.cache.export(body.get("style", "individual"))
+            await asyncio.wait_for(session.finished_event().wait(), self.export_timeout)
+        except TimeoutError:
+            raise ProxyAuthError(
+                409,
+                f"session {session_id!r} was not ended within {self.export_timeout:g} s of the "
+                "export request (--export-timeout); end it with POST /rl/end_session first",
+            ) from None
+        if self.store.get(session_id) is not session:
+            raise ProxyAuthError(410, f"session {session_id!r} was exported by another request")
+        if last_reward is not None and len(session.cache):
+            session.cache.set_reward(None, last_reward)
+        if drop_orphans:
+            session.cache.drop_retry_orphans()
+        session.cache.apply_reward_discount(discount)
+        try:
+            exported = session.cache.export(style)
         except ValueError as e:
-            raise ProxyAuthError(400, str(e)) from None
+            raise InvalidRequestError(str(e), "style") from None
         self.store.remove(session_id)
-        return json_response(
+        response = json_response(
             {
                 "interactions": serialize_interactions(exported.values(), session_id),
                 **session.diagnostics(),
             }
         )
+        del exported, session
+        self._memory.soon()  # hand the freed heap back to the OS
+        return response
 
     async def set_version(self, request: Request) -> Response:
         self._require_admin(request)
         body = await self._body(request, require_json=False)
-        self.engine.set_version(int(body["version"]))
+        version = body.get("version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+            raise InvalidRequestError("version must be a non-negative integer", "version")
+        self.engine.set_version(version)
         return json_response({"version": self.engine.get_version()})
 
     async def pause(self, request: Request) -> Response:
@@ -309,7 +449,7 @@ class ProxyServer:
 
     # --- generation ---
 
-    async def _generate(self, session: Session, chat_body: dict[str, Any]):
+    async def _generate(self, session: Session, chat_body: dict[str, Any], offload: bool):
         session.touch()
         try:
             return await self.chat.create(
@@ -317,25 +457,40 @@ class ProxyServer:
                 cache=session.cache,
                 seed_key=session.task_id,
                 request_index=session.next_request_index(),
+                offload=offload,
+                validated=True,
             )
         except ContextLengthExceededError as e:
             session.context_overflow, session.context_overflow_message = True, str(e)
             raise
-        except ChatRequestError:
-            raise
+        except InvalidRequestError:
+            raise  # the client's error: never a system failure of the session
         except Exception as e:
             logger.exception("generation failed in session %s", session.session_id)
             session.system_error, session.system_error_message = True, f"{type(e).__name__}: {e}"
             raise
 
+    def _translate(self, protocol: str, raw: bytes) -> Translated:
+        return to_chat(protocol, self._parse(raw))
+
     async def _serve(self, protocol: str, request: Request) -> Response:
         session = self._session(request)
-        body = await self._body(request)
-        try:
-            translated = to_chat(protocol, body)
-        except ProtocolRequestError as e:
-            raise ChatRequestError(str(e)) from None
-        result = await self._generate(session, translated.chat)
+        self._require_json(request)
+        raw = await request.body()
+        size = len(raw)
+        if size < OFFLOAD_BYTES:
+            return await self._respond(session, self._translate(protocol, raw), offload=False)
+        # a large body: parse, check and tokenize it on worker threads, a few at a time
+        async with self._large if size >= LARGE_BYTES else contextlib.nullcontext():
+            try:
+                translated = await asyncio.to_thread(self._translate, protocol, raw)
+                del raw
+                return await self._respond(session, translated, offload=True)
+            finally:
+                self._memory.soon()  # hand the freed heap back to the OS
+
+    async def _respond(self, session: Session, translated: Translated, offload: bool) -> Response:
+        result = await self._generate(session, translated.chat, offload)
         reply = from_chat(translated, result.completion)
         if translated.stream:
             return StreamingResponse(
@@ -406,7 +561,75 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefix-matcher", default=None, metavar="DOTTED.PATH", help="parent matcher function"
     )
+    limits = parser.add_argument_group("limits")
+    limits.add_argument(
+        "--max-body-bytes",
+        type=_positive(int),
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="largest request body in bytes on any endpoint; larger ones get 413 (default "
+        "%(default)s = 16 MiB)",
+    )
+    limits.add_argument(
+        "--body-timeout",
+        type=_positive(float),
+        default=DEFAULT_BODY_TIMEOUT_S,
+        help="seconds a request body may stall between parts before 408 (default %(default)s)",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=_positive(float),
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a connection may take to send a request's headers before 408 (default "
+        "%(default)s)",
+    )
+    limits.add_argument(
+        "--max-header-bytes",
+        type=_positive(int),
+        default=DEFAULT_MAX_HEADER_BYTES,
+        help="largest request line plus headers in bytes; larger get 431 (default %(default)s)",
+    )
+    limits.add_argument(
+        "--idle-timeout",
+        type=_positive(int),
+        default=DEFAULT_IDLE_TIMEOUT_S,
+        help="seconds a kept-alive connection may idle between requests (default %(default)s)",
+    )
+    limits.add_argument(
+        "--export-timeout",
+        type=_positive(float),
+        default=DEFAULT_EXPORT_TIMEOUT_S,
+        help="seconds an export waits for its session to be ended before 409 (default %(default)s)",
+    )
+    limits.add_argument(
+        "--session-id-nonce",
+        default=None,
+        metavar="NONCE",
+        help="1-32 letters or digits that end every session id (default: random per start)",
+    )
     return parser
+
+
+def _positive(kind: type) -> Any:
+    def parse(text: str) -> Any:
+        value = kind(text)
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def uvicorn_options(
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    idle_timeout: int = DEFAULT_IDLE_TIMEOUT_S,
+) -> dict[str, Any]:
+    """uvicorn settings of the proxy: the guarded HTTP protocol and the idle timeout."""
+    return {
+        "http": guarded_http_protocol(header_timeout, max_header_bytes),
+        "timeout_keep_alive": idle_timeout,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -428,6 +651,7 @@ def main(argv: list[str] | None = None) -> None:
         )
         sys.exit(2)
     try:
+        SessionStore(admin_key, run_nonce=args.session_id_nonce)  # a bad nonce fails here
         tool_parser = get_tool_call_parser_or_none(args.tool_call_parser)
         reasoning_parser = get_reasoning_parser_or_none(args.reasoning_parser)
         preprocessors = load_message_preprocessors(args.message_preprocessor)
@@ -453,6 +677,10 @@ def main(argv: list[str] | None = None) -> None:
         session_timeout=args.session_timeout,
         preprocessors=preprocessors,
         prefix_matcher=prefix_matcher,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
+        export_timeout=args.export_timeout,
+        run_nonce=args.session_id_nonce,
     )
     server.chat.warm_up()
     # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the
@@ -468,11 +696,11 @@ def main(argv: list[str] | None = None) -> None:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        timeout_keep_alive=300,
         access_log=False,
         proxy_headers=False,
         backlog=4096,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **uvicorn_options(args.header_timeout, args.max_header_bytes, args.idle_timeout),
     )
 
 

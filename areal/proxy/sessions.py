@@ -4,12 +4,22 @@ A session collects the interactions of one rollout sample. It is started (admin)
 for generation and rewards (session key, or the gateway key plus session headers),
 ended (session key) and finally exported and deleted (admin). Sessions idle for longer
 than ``session_timeout`` seconds are swept (at most once a minute, on session start).
+
+Session ids are ``<task_id>-<n>.<run nonce>``: ``n`` counts the sessions this proxy has
+started and the nonce is random per proxy start (or given), so an id is never issued
+twice, not even for the same task id after an export or by the proxy of a resumed run.
+That matters because a gateway session token is derived from the id alone: a reused id
+would let an old token reach a new session. An ended session refuses generation and
+rewards (410); an exported or swept one is remembered for ``session_timeout`` seconds so
+that its key and token keep getting 410 rather than reaching anything else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +27,18 @@ from typing import Any
 from areal.proxy.interaction import InteractionCache, PrefixMatcher
 from areal.proxy.keys import derive_session_token, new_session_key, same_secret
 
-__all__ = ["ProxyAuthError", "Session", "SessionStore"]
+__all__ = ["ProxyAuthError", "Session", "SessionStore", "new_run_nonce"]
 
 SWEEP_INTERVAL = 60.0
+# The Arena agent accepts session ids of up to 200 characters from this alphabet; a task
+# id of at most 128 leaves room for the "-<n>.<nonce>" suffix.
+TASK_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
+NONCE_PATTERN = re.compile(r"[A-Za-z0-9]{1,32}")
+
+
+def new_run_nonce() -> str:
+    """A random run nonce (8 hex digits) that makes this proxy's session ids its own."""
+    return secrets.token_hex(4)
 
 
 class ProxyAuthError(Exception):
@@ -83,13 +102,20 @@ class SessionStore:
         admin_key: str,
         session_timeout: float = 3600.0,
         prefix_matcher: PrefixMatcher | None = None,
+        run_nonce: str | None = None,
     ):
+        nonce = new_run_nonce() if run_nonce is None else run_nonce
+        if not NONCE_PATTERN.fullmatch(nonce):
+            raise ValueError(f"the session-id nonce must be 1-32 letters or digits, got {nonce!r}")
         self.admin_key = admin_key
         self.session_timeout = session_timeout
         self.prefix_matcher = prefix_matcher
+        self.run_nonce = nonce
         self.capacity = 0
         self._sessions: dict[str, Session] = {}
         self._key_to_session: dict[str, str] = {}
+        self._gone: dict[str, float] = {}  # removed session id -> when
+        self._serial = itertools.count()
         self._last_sweep = time.monotonic()
 
     def __len__(self) -> int:
@@ -103,6 +129,16 @@ class SessionStore:
         self, task_id: str, api_key: str | None = None, metadata: dict | None = None
     ) -> Session:
         self._maybe_sweep()
+        if not isinstance(task_id, str) or not TASK_ID_PATTERN.fullmatch(task_id):
+            raise ProxyAuthError(
+                400,
+                "task_id must be 1-128 characters of letters, digits and '_.:-', starting "
+                f"with a letter or digit; got {task_id!r}",
+            )
+        if api_key is not None and (not isinstance(api_key, str) or not api_key.strip()):
+            raise ProxyAuthError(400, "api_key must be a non-empty string or null")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise ProxyAuthError(400, "metadata must be an object or null")
         if self.capacity <= 0:
             raise ProxyAuthError(429, "no session capacity; the controller has not admitted one")
         if api_key is not None and same_secret(api_key, self.admin_key):
@@ -112,9 +148,7 @@ class SessionStore:
             if bound is not None and bound in self._sessions and not self._sessions[bound].finished:
                 raise ProxyAuthError(409, "this api_key is bound to an unfinished session")
         key = api_key or new_session_key()
-        session_id = next(
-            f"{task_id}-{k}" for k in itertools.count() if f"{task_id}-{k}" not in self._sessions
-        )
+        session_id = f"{task_id}-{next(self._serial)}.{self.run_nonce}"
         self.capacity -= 1
         session = Session(
             session_id=session_id,
@@ -147,13 +181,18 @@ class SessionStore:
         if not same_secret(token, derive_session_token(self.admin_key, session_id)):
             raise ProxyAuthError(401, "X-Session-Token does not match X-Session-Id")
         session = self._sessions.get(session_id)
-        if session is None or session.finished:
+        if session is None:
+            if session_id in self._gone:
+                raise ProxyAuthError(410, f"session {session_id!r} has ended and was removed")
             raise ProxyAuthError(401, f"session {session_id!r} is not active")
         return session
 
     def remove(self, session_id: str) -> Session | None:
-        """Drop a session; its key keeps answering 410 until the next sweep."""
-        return self._sessions.pop(session_id, None)
+        """Drop a session; its key and id keep answering 410 for ``session_timeout``."""
+        session = self._sessions.pop(session_id, None)
+        if session is not None:
+            self._gone[session_id] = time.monotonic()
+        return session
 
     def _maybe_sweep(self) -> None:
         now = time.monotonic()
@@ -164,6 +203,10 @@ class SessionStore:
             sid for sid, s in self._sessions.items() if now - s.last_access > self.session_timeout
         ]:
             self.remove(session_id)
-        live = set(self._sessions)
-        for key in [k for k, sid in self._key_to_session.items() if sid not in live]:
+        for session_id in [
+            sid for sid, when in self._gone.items() if now - when > self.session_timeout
+        ]:
+            del self._gone[session_id]
+        known = self._sessions.keys() | self._gone.keys()
+        for key in [k for k, sid in self._key_to_session.items() if sid not in known]:
             del self._key_to_session[key]

@@ -176,14 +176,15 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
                     }
                 )
                 raise error
+        forced_reward = None
         if diagnostics.get("context_overflow") or disposition == "model_failure_zero":
             if int(diagnostics.get("interaction_count", 0)) == 0:
                 await self._call_hook("persist_episode_result", data, None)
                 return None
-            await client.set_reward(key, 0.0)  # a model failure trains as a zero reward
+            forced_reward = 0.0  # a model failure trains as a zero reward (set at export)
 
         exported = await client.export(
-            session_id, self.discount, self.export_style, self.drop_retry_orphans
+            session_id, self.discount, self.export_style, self.drop_retry_orphans, forced_reward
         )
         if not exported:
             await self._call_hook("persist_episode_result", data, None)

@@ -9,16 +9,23 @@ through the scheduler (``local``: subprocesses on this machine), then per step:
 rollout (bounded by ``rollout.max_head_offpolicyness``) -> proximal log-probs ->
 advantages -> PPO update -> weight sync to inference -> HF save / recover checkpoint ->
 stats. A run killed at any point resumes from its last recover checkpoint when started
-again with the same experiment and trial names (``recover.mode`` on or auto).
+again with the same experiment and trial names (``recover.mode`` on or auto): rows the
+rollout had drawn ahead of training (asynchronous mode) are trained after the resume, once
+each, and ``stats.jsonl`` keeps no row of a step that is run again.
+
+A dead inference server or rollout worker fails the run: the rollout controller's health
+checks stop dispatching, and the step raises an error naming the server; no weight update
+is attempted against it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import getpass
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -158,7 +165,12 @@ class PPOTrainer:
             version = self.recover_info.last_step_info.global_step + 1
             self.rollout.staleness.on_version_recovered(version)
             self._push_weights(version)
-            logger.info("recovered: resuming at global step %d", version)
+            logger.info(
+                "recovered: resuming at global step %d (%d row(s) drawn ahead are trained first)",
+                version,
+                len(self.dataloader.outstanding()),
+            )
+        self.stats_logger.resume_at(0 if self.recover_info is None else version)
 
     def _weight_update_meta(self) -> WeightUpdateMeta:
         cfg = self.config
@@ -228,73 +240,92 @@ class PPOTrainer:
         from areal.utils.stats_logger import ProgressDisplay
 
         progress = ProgressDisplay(total_steps=max_steps, start_step=start)
-        for global_step in range(start, max_steps):
-            epoch, epoch_step = divmod(global_step, steps_per_epoch)
-            step_info = StepInfo(epoch, epoch_step, global_step, steps_per_epoch)
-            began = time.monotonic()
-            tracker = stats_tracker.get()
-            with tracker.record_timing("rollout"):
-                batch = self.rollout.prepare_batch(
-                    self.dataloader,
-                    workflow,
-                    workflow_kwargs,
-                    should_accept_fn=dynamic_filter_fn,
-                    group_size=cfg.gconfig.n_samples,
-                    reward_normalization=cfg.gconfig.reward_normalization,
-                    drop_incomplete_group=cfg.gconfig.drop_incomplete_group,
-                    proxy_addr=proxy_addr,
-                    batch_size=cfg.train_dataset.batch_size,
-                )
-            self._dump(batch, global_step)
-            if self.colocated:
-                with tracker.record_timing("offload_rollout"):
-                    self.rollout.pause()
-                    self.rollout.pause_generation()
-                    self.rollout.offload()
-            if self.actor.should_compute_prox_logp():
-                with tracker.record_timing("recompute_logp"):
-                    for trajectory, logp in zip(batch, self.actor.compute_logp(batch), strict=True):
-                        trajectory["prox_logp"] = logp
-            with tracker.record_timing("compute_advantage"):
-                advantaged = self.actor.compute_advantages(batch)
-            with tracker.record_timing("train_step"):
-                update_stats = self.actor.ppo_update(advantaged)
-                self.actor.step_lr_scheduler()
-            self.rollout.pause()
-            if self.colocated:
-                with tracker.record_timing("onload_rollout"):
-                    self.rollout.onload()
-            with tracker.record_timing("update_weights"):
-                version = global_step + 1
-                self.actor.update_weights(self._meta_for(version))
-                self.actor.set_version(version)
-                self.rollout.set_version(version)
-            sync_stats = self._check_weight_sync()
-            with tracker.record_timing("save"):
-                self.saver.save(
-                    self.actor, epoch, epoch_step, global_step, tokenizer=self.tokenizer
-                )
-            with tracker.record_timing("checkpoint_for_recover"):
-                self.recover_handler.dump(
-                    self.actor,
-                    step_info,
-                    self.saver,
-                    self.evaluator,
-                    self.stats_logger,
-                    self.dataloader,
-                    tokenizer=self.tokenizer,
-                )
-            stats = {**self.actor.export_stats(), **self.rollout.export_stats()}
-            stats.update(stats_tracker.export_all())
-            stats.update(_batch_stats(batch, update_stats, time.monotonic() - began))
-            stats.update(sync_stats)
-            stats["train/weight_version"] = float(version)
-            self.stats_logger.commit(epoch, epoch_step, global_step, stats)
-            progress.update(global_step + 1, stats)
-            self.after_step(step_info, stats)
-            if global_step + 1 < max_steps:  # nothing is launched for a step that never runs
-                self.rollout.resume()
-        progress.close()
+        with self._failures_named(), progress:
+            for global_step in range(start, max_steps):
+                epoch, epoch_step = divmod(global_step, steps_per_epoch)
+                step_info = StepInfo(epoch, epoch_step, global_step, steps_per_epoch)
+                began = time.monotonic()
+                tracker = stats_tracker.get()
+                with tracker.record_timing("rollout"):
+                    batch = self.rollout.prepare_batch(
+                        self.dataloader,
+                        workflow,
+                        workflow_kwargs,
+                        should_accept_fn=dynamic_filter_fn,
+                        group_size=cfg.gconfig.n_samples,
+                        reward_normalization=cfg.gconfig.reward_normalization,
+                        drop_incomplete_group=cfg.gconfig.drop_incomplete_group,
+                        proxy_addr=proxy_addr,
+                        batch_size=cfg.train_dataset.batch_size,
+                    )
+                self._dump(batch, global_step)
+                if self.colocated:
+                    with tracker.record_timing("offload_rollout"):
+                        self.rollout.pause()
+                        self.rollout.pause_generation()
+                        self.rollout.offload()
+                if self.actor.should_compute_prox_logp():
+                    with tracker.record_timing("recompute_logp"):
+                        logps = self.actor.compute_logp(batch)
+                        for trajectory, logp in zip(batch, logps, strict=True):
+                            trajectory["prox_logp"] = logp
+                with tracker.record_timing("compute_advantage"):
+                    advantaged = self.actor.compute_advantages(batch)
+                with tracker.record_timing("train_step"):
+                    update_stats = self.actor.ppo_update(advantaged)
+                    self.actor.step_lr_scheduler()
+                self.rollout.check_health()  # never start a weight update towards a dead server
+                self.rollout.pause()
+                if self.colocated:
+                    with tracker.record_timing("onload_rollout"):
+                        self.rollout.onload()
+                with tracker.record_timing("update_weights"):
+                    version = global_step + 1
+                    self.actor.update_weights(self._meta_for(version))
+                    self.actor.set_version(version)
+                    self.rollout.set_version(version)
+                sync_stats = self._check_weight_sync()
+                with tracker.record_timing("save"):
+                    self.saver.save(
+                        self.actor, epoch, epoch_step, global_step, tokenizer=self.tokenizer
+                    )
+                with tracker.record_timing("checkpoint_for_recover"):
+                    self.recover_handler.dump(
+                        self.actor,
+                        step_info,
+                        self.saver,
+                        self.evaluator,
+                        self.stats_logger,
+                        self.dataloader,
+                        tokenizer=self.tokenizer,
+                    )
+                stats = {**self.actor.export_stats(), **self.rollout.export_stats()}
+                stats.update(stats_tracker.export_all())
+                stats.update(_batch_stats(batch, update_stats, time.monotonic() - began))
+                stats.update(sync_stats)
+                stats["train/weight_version"] = float(version)
+                self.stats_logger.commit(epoch, epoch_step, global_step, stats)
+                progress.update(global_step + 1, stats)
+                self.after_step(step_info, stats)
+                if global_step + 1 < max_steps:  # nothing is launched for a step that never runs
+                    self.rollout.resume()
+
+    @contextlib.contextmanager
+    def _failures_named(self) -> Iterator[None]:
+        """A step that failed because a server or rollout worker died raises the health
+        error naming it (chained to what failed), not, say, a weight-update error."""
+        try:
+            yield
+        except Exception as error:
+            failure = None
+            if self.rollout is not None:
+                try:
+                    failure = self.rollout.diagnose()
+                except Exception:  # the original error is the one to report then
+                    logger.exception("diagnosing the rollout side failed")
+            if failure is None or failure is error:
+                raise
+            raise failure from error
 
     def _check_weight_sync(self) -> dict[str, float]:
         """``actor.weight_sync_check``: every server's log-probs against the actor's."""
@@ -310,6 +341,7 @@ class PPOTrainer:
             temperature=cfg.temperature,
             n_data_parallel=self.actor.dp_size,
             tolerance=cfg.weight_sync_check_tolerance,
+            api_key=_inference_api_key(self.scheduler),
         )
 
     def after_step(self, step_info: Any, stats: dict[str, float]) -> None:
@@ -371,6 +403,12 @@ def _batch_stats(batch: list[dict], update_stats: list[dict], seconds: float) ->
     if norms:
         out["ppo_actor/grad_norm"] = sum(norms) / len(norms)
     return out
+
+
+def _inference_api_key(scheduler: Any) -> str:
+    """The run's inference-server API key (the scheduler makes one per run)."""
+    key = getattr(scheduler, "inference_api_key", None)
+    return key.reveal() if key is not None else ""
 
 
 def _load_tokenizer(path: str) -> Any:

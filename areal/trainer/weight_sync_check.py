@@ -40,7 +40,11 @@ class ServerProbe:
 
 
 def probe_server(
-    address: str, prompt: list[int], temperature: float, timeout: float = 120.0
+    address: str,
+    prompt: list[int],
+    temperature: float,
+    api_key: str = "",
+    timeout: float = 120.0,
 ) -> ServerProbe:
     """Greedy tokens (top-k 1 at ``temperature``, so log-probs use the actor's scale)."""
     gconfig = GenerationHyperparameters(
@@ -55,7 +59,10 @@ def probe_server(
         ModelRequest(input_ids=list(prompt), gconfig=gconfig), PROBE_NEW_TOKENS, version=0
     )
     response = httpx.post(
-        f"http://{address}{request.endpoint}", json=request.payload, timeout=timeout
+        f"http://{address}{request.endpoint}",
+        json=request.payload,
+        headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+        timeout=timeout,
     )
     response.raise_for_status()
     result = backend.parse_generation_response(response.json())
@@ -69,14 +76,15 @@ def check_weight_sync(
     temperature: float,
     n_data_parallel: int,
     tolerance: float | None = None,
+    api_key: str = "",
 ) -> dict[str, float]:
     """Probe every server, score each continuation with ``actor``; the stats.
 
     ``n_data_parallel``: the actor's data-parallel size (each rank needs a group, so the
-    probe batch repeats the sequences until every rank has one).
+    probe batch repeats the sequences until every rank has one). ``api_key``: the servers'.
     """
     prompt = list(tokenizer(PROBE_TEXT)["input_ids"])
-    probes = [probe_server(address, prompt, temperature) for address in addresses]
+    probes = [probe_server(address, prompt, temperature, api_key) for address in addresses]
     groups = [_as_group(p.prompt + p.tokens) for p in probes]
     while len(groups) < n_data_parallel:
         groups.append(groups[len(groups) % len(probes)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from areal.utils.secrets import REDACTED, SecretStr
+from areal.utils.secrets import REDACTED, SecretStr, redact_urls
 
 __all__ = ["is_sensitive_key", "redact_sensitive_config"]
 
@@ -35,7 +35,9 @@ def redact_sensitive_config(value: Any) -> Any:
     Walks dicts, lists, tuples and dataclasses (dataclasses become dicts). A value is
     replaced whole when its key is sensitive (see :func:`is_sensitive_key`), and so is
     any non-empty :class:`SecretStr` wherever it sits; ``None`` and ``""`` are kept so
-    that a reader can still see that a secret was not set.
+    that a reader can still see that a secret was not set. In every other string, URLs
+    keep scheme, host, port and path but lose user-info, query values and fragment
+    (``https://u:pw@h/p?key=s`` is saved as ``https://***@h/p?key=***``).
     """
     return _redact(value)
 
@@ -49,6 +51,8 @@ def _redact(value: Any) -> Any:
         return type(value)(_redact(v) for v in value)
     if isinstance(value, SecretStr) and value:
         return REDACTED
+    if isinstance(value, str):
+        return redact_urls(value)
     return value
 
 

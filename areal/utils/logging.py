@@ -1,8 +1,9 @@
 """Named, coloured loggers under ``areal.*``, file logging, and secret masking.
 
 Every record passes a filter that replaces registered secret values (Arena tokens, the
-proxy admin key, ...) with ``<redacted>``, so a secret that slips into a message or an
-exception text never reaches a console or a log file.
+proxy admin key, ...) with ``<redacted>`` and the user-info, query values and fragment of
+every URL with ``***``, so a secret that slips into a message or an exception text never
+reaches a console or a log file.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import sys
 import threading
 from pathlib import Path
 
-from areal.utils.secrets import REDACTED, reveal
+from areal.utils.secrets import REDACTED, redact_urls, reveal
 
 __all__ = [
     "SecretMaskingFilter",
@@ -33,6 +34,7 @@ SECRET_ENV_VARS = (
     "ARENA_LLM_API_KEY",
     "SWE_RL_ADMIN_API_KEY",
     "AREAL_RPC_TOKEN",
+    "AREAL_INFERENCE_API_KEY",
     "WANDB_API_KEY",
     "SWANLAB_API_KEY",
 )
@@ -53,8 +55,12 @@ _RESET = "\033[0m"
 
 
 def register_secret(value: str | None) -> None:
-    """Mask ``value`` in every record logged from now on."""
-    plain = reveal(value)
+    """Mask ``value`` in every record logged from now on.
+
+    Surrounding whitespace is dropped first: a key read with its trailing newline is
+    masked wherever the bare key appears (a header, an error message).
+    """
+    plain = reveal(value).strip()
     if len(plain) >= _MIN_SECRET_LEN:
         with _secrets_lock:
             _secrets.add(plain)
@@ -67,21 +73,20 @@ def register_secrets_from_env() -> None:
 
 
 def mask_secrets(text: str) -> str:
-    """``text`` with every registered secret replaced by ``<redacted>``."""
+    """``text`` with every registered secret replaced by ``<redacted>`` and the secret
+    parts of every URL (user-info, query values, fragment) by ``***``."""
     with _secrets_lock:
         secrets = sorted(_secrets, key=len, reverse=True)
     for secret in secrets:
         if secret in text:
             text = text.replace(secret, REDACTED)
-    return text
+    return redact_urls(text)
 
 
 class SecretMaskingFilter(logging.Filter):
     """Rewrites a record's message (with its arguments and exception) without secrets."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not _secrets:
-            return True
         message = record.getMessage()
         if record.exc_info and not record.exc_text:
             record.exc_text = logging.Formatter().formatException(record.exc_info)

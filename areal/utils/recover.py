@@ -7,6 +7,10 @@ into ``.staging`` siblings, stamps each with the same ``recover_stamp.json``, th
 them in by renames; the stamp written last marks a directory complete. Whatever point a
 crash interrupts, the newest pair with matching stamps is a complete recover point, and
 ``_settle`` moves it back under the final names before the next load or dump.
+
+The dataloader state includes the rows drawn but not yet trained when the point was
+written (asynchronous rollouts run ahead of training); a resumed run trains them first,
+so every row is trained exactly once (:mod:`areal.trainer.dataloader`).
 """
 
 from __future__ import annotations

@@ -1,12 +1,19 @@
-"""Secret strings: values that print as ``<redacted>`` everywhere unless revealed."""
+"""Secret strings, and redaction of the secret parts of URLs (user-info, query, fragment)."""
 
 from __future__ import annotations
 
+import re
+
 import yaml
 
-__all__ = ["REDACTED", "SecretStr", "reveal"]
+__all__ = ["REDACTED", "REDACTED_PART", "SecretStr", "redact_url", "redact_urls", "reveal"]
 
 REDACTED = "<redacted>"
+REDACTED_PART = "***"  # stands for the secret part of a URL, so the rest stays readable
+
+# A URL in free text: a scheme, "://", then everything up to whitespace, a quote or a
+# bracket that closes a surrounding construct.
+_URL_IN_TEXT = re.compile(r"\b[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>`]*")
 
 
 class SecretStr(str):
@@ -16,9 +23,17 @@ class SecretStr(str):
     show ``<redacted>``; code that must send the value (an HTTP header, a key compare)
     calls :func:`reveal`. Concatenation, ``encode`` and equality still see the real
     value, so a ``SecretStr`` can stand in wherever a ``str`` is expected.
+
+    Surrounding whitespace is dropped on construction: a key read from a file or an
+    environment variable often ends in a newline, which would break an HTTP header and
+    slip past redaction of the bare key.
     """
 
     __slots__ = ()
+
+    def __new__(cls, value: object = "") -> SecretStr:
+        plain = value.reveal() if isinstance(value, SecretStr) else str(value)
+        return super().__new__(cls, plain.strip())
 
     def __str__(self) -> str:
         return REDACTED if len(self) else ""
@@ -41,6 +56,50 @@ def reveal(value: str | None) -> str:
     if isinstance(value, SecretStr):
         return value.reveal()
     return str(value)
+
+
+def _redact_query(query: str) -> str:
+    pairs = []
+    for pair in query.split("&"):
+        name, sep, _ = pair.partition("=")
+        pairs.append(f"{name}={REDACTED_PART}" if sep else (REDACTED_PART if pair else ""))
+    return "&".join(pairs)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with its user-info, query values and fragment replaced by ``***``.
+
+    Scheme, host, port and path are kept (``https://u:pw@h:8/p?key=s#t`` gives
+    ``https://***@h:8/p?key=***#***``). Works on text that is not a valid URL too (a bad
+    port, spaces), since it is what error messages about such URLs show.
+    """
+    text = str(url)
+    scheme, sep, rest = text.partition("://")
+    if not sep:
+        scheme, rest = "", text
+    head = len(rest)
+    for mark in "/?#":
+        index = rest.find(mark)
+        if index != -1:
+            head = min(head, index)
+    authority, tail = rest[:head], rest[head:]
+    if "@" in authority:
+        authority = f"{REDACTED_PART}@{authority.rpartition('@')[2]}"
+    tail, hash_sep, fragment = tail.partition("#")
+    path, query_sep, query = tail.partition("?")
+    out = f"{scheme}{sep}{authority}{path}"
+    if query_sep:
+        out += "?" + _redact_query(query)
+    if hash_sep:
+        out += "#" + (REDACTED_PART if fragment else "")
+    return out
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with every ``scheme://...`` URL in it passed through :func:`redact_url`."""
+    if "://" not in text:
+        return text
+    return _URL_IN_TEXT.sub(lambda m: redact_url(m.group(0)), text)
 
 
 def _represent_secret(dumper: yaml.SafeDumper, value: SecretStr) -> yaml.Node:

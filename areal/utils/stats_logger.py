@@ -6,6 +6,10 @@ mode is not ``disabled``; a missing package is then an error naming it. In ``off
 ``local`` modes nothing logs in to a server. Secrets (``wandb_api_key``, SwanLab's
 ``api_key``) go to the backend through the environment or its login call, never to a log
 line, and the run config handed to a backend is redacted.
+
+A rerun of a trial never duplicates steps in ``stats.jsonl``: before its first row the
+logger drops the rows of the step it continues at and later ones (all of them when it
+starts over), keeping the previous file as ``stats.jsonl.prev``.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import importlib.metadata
 import json
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -30,11 +35,12 @@ from areal.utils.paths import get_log_path
 from areal.utils.secrets import reveal
 from areal.utils.table import render_table
 
-__all__ = ["STATS_FILE", "ProgressDisplay", "StatsLogger"]
+__all__ = ["PREVIOUS_SUFFIX", "STATS_FILE", "ProgressDisplay", "StatsLogger"]
 
 logger = logging.getLogger("stats_logger")
 
 STATS_FILE = "stats.jsonl"
+PREVIOUS_SUFFIX = ".prev"  # the file as a rerun found it, when it dropped rows
 _COUNT_SUFFIX = "__count"
 
 
@@ -68,6 +74,7 @@ class StatsLogger:
         self.ft_spec = ft_spec
         self.rank = int(os.environ.get("RANK", "0")) if rank is None else rank
         self._last_commit_step = -1
+        self._resume_step: int | None = None
         self.log_dir: Path | None = None
         self._jsonl = None
         self._tensorboard = None
@@ -78,7 +85,6 @@ class StatsLogger:
             return
         c = self.config
         self.log_dir = get_log_path(c.fileroot, c.experiment_name, c.trial_name)
-        self._jsonl = open(self.log_dir / STATS_FILE, "a", encoding="utf-8")  # noqa: SIM115
         if c.tensorboard.path:
             from tensorboardX import SummaryWriter
 
@@ -184,6 +190,8 @@ class StatsLogger:
 
         row = {"epoch": epoch, "step": step, "global_step": global_step, "time": time.time()}
         row.update({k: v if math.isfinite(v) else None for k, v in stats.items()})
+        if self._jsonl is None:
+            self._jsonl = self._open_jsonl()
         self._jsonl.write(json.dumps(row) + "\n")
         self._jsonl.flush()
         if self._tensorboard is not None:
@@ -213,6 +221,44 @@ class StatsLogger:
             global_step + 1,
             self.ft_spec.total_train_steps,
         )
+
+    def resume_at(self, global_step: int) -> None:
+        """This run continues at ``global_step`` (0: it starts over).
+
+        Rows an earlier run of the trial logged for ``global_step`` or later are dropped
+        before the first commit. Without a call, the run continues after the last step
+        restored by :meth:`load_state_dict` (or starts over).
+        """
+        if self._jsonl is not None:
+            raise RuntimeError("resume_at() must come before the first commit")
+        self._resume_step = global_step
+
+    def _open_jsonl(self) -> Any:
+        """``stats.jsonl`` for appending, holding only the rows of steps before the resume."""
+        assert self.log_dir is not None
+        path = self.log_dir / STATS_FILE
+        start = self._resume_step
+        if start is None:
+            start = self._last_commit_step + 1
+        if path.exists():
+            lines = [x for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+            kept = [line for line in lines if _step_of(line) < start]
+            if len(kept) < len(lines):
+                previous = path.with_name(STATS_FILE + PREVIOUS_SUFFIX)
+                shutil.copyfile(path, previous)
+                staging = path.with_name(STATS_FILE + ".staging")
+                staging.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+                staging.replace(path)
+                logger.info(
+                    "%s: kept %d row(s) of steps before %d, dropped %d from an earlier run "
+                    "(the old file is %s)",
+                    path,
+                    len(kept),
+                    start,
+                    len(lines) - len(kept),
+                    previous.name,
+                )
+        return open(path, "a", encoding="utf-8")
 
     def state_dict(self) -> dict[str, Any]:
         return {"last_commit_step": self._last_commit_step}
@@ -316,6 +362,14 @@ class ProgressDisplay:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _step_of(line: str) -> float:
+    """The ``global_step`` of a JSONL row; a torn or foreign line sorts last (dropped)."""
+    try:
+        return float(json.loads(line)["global_step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
 
 
 def _format_secs(secs: float) -> str:

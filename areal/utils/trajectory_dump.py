@@ -15,18 +15,36 @@ sample:
 
 Samples whose last token is not trainable (nothing was generated after the last context)
 are skipped. Rows are right-padded: the first ``attention_mask.sum()`` tokens are real.
+
+Under the root nothing is written through a symbolic link: each directory is entered with
+``O_NOFOLLOW`` relative to its parent, and the file is opened the same way, so a link
+planted at ``{role}``, ``{version}`` or the file name raises :class:`DumpPathError`
+instead of redirecting the write. ``role`` and ``task_id`` must be single path parts.
+Created directories are 0700 and files 0600 (dumps hold prompts and completions).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["dump_trajectories", "trajectory_records"]
+from areal.utils.paths import path_name_problem
+
+__all__ = ["DumpPathError", "dump_trajectories", "trajectory_records"]
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class DumpPathError(OSError):
+    """A dump path that is unsafe to write: a symlink, a non-directory or a bad name."""
 
 
 def _run_lengths(values: list[int]) -> list[list[int]]:
@@ -130,10 +148,77 @@ def dump_trajectories(
     records = trajectory_records(groups, tokenizer, task_id)
     if not records:
         return None
+    for what, name in (("role", role), ("task_id", str(task_id))):
+        problem = path_name_problem(name)
+        if problem is not None:
+            raise DumpPathError(f"trajectory dump {what}: {problem}")
     max_version = max(int(g["versions"].max()) for g in groups)
-    path = Path(root) / role / str(max_version) / f"{task_id}.jsonl"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-    return path
+    parts = [role, str(max_version)]
+    filename = f"{task_id}.jsonl"
+    text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
+    _write_under(Path(root), parts, filename, text.encode("utf-8"))
+    return Path(root).joinpath(*parts, filename)
+
+
+def _enter(dir_fd: int, name: str, shown: Path) -> int:
+    """A descriptor of directory ``name`` in ``dir_fd`` (created 0700), never a symlink."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(name, 0o700, dir_fd=dir_fd)
+    info = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    if stat.S_ISLNK(info.st_mode):
+        raise DumpPathError(
+            f"refusing to write a trajectory dump through the symbolic link {shown}; "
+            "remove it (dumps are only written to real directories under the dump root)"
+        )
+    if not stat.S_ISDIR(info.st_mode):
+        raise DumpPathError(f"trajectory dump path {shown} exists and is not a directory")
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as e:  # replaced by a link since the check
+        raise DumpPathError(f"cannot enter trajectory dump directory {shown}: {e}") from None
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+    except OSError:
+        return False
+
+
+def _write_under(root: Path, parts: list[str], filename: str, data: bytes) -> None:
+    """Write ``data`` to ``root/parts.../filename`` without following any link under root."""
+    root.mkdir(parents=True, exist_ok=True)  # the root itself is the caller's choice
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    shown = root
+    try:
+        for part in parts:
+            shown = shown / part
+            child = _enter(fd, part, shown)
+            os.close(fd)
+            fd = child
+        shown = shown / filename
+        try:
+            out = os.open(filename, _FILE_FLAGS, 0o600, dir_fd=fd)
+        except OSError:
+            if _is_link(fd, filename):
+                raise DumpPathError(
+                    f"refusing to write a trajectory dump through the symbolic link {shown}; "
+                    "remove it"
+                ) from None
+            raise
+    finally:
+        os.close(fd)
+    try:
+        info = os.fstat(out)
+        # A FIFO or device, or a hard link to some other file, must not be written either.
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
+            raise DumpPathError(
+                f"trajectory dump target {shown} is not a plain file of its own (a hard link, "
+                "a FIFO or a device); remove it"
+            )
+        os.ftruncate(out, 0)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(out, view) :]
+    finally:
+        os.close(out)

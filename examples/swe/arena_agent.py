@@ -41,7 +41,7 @@ from urllib.parse import urlsplit
 
 from areal.proxy.hooks import FailureDisposition
 from areal.utils import logging
-from areal.utils.secrets import reveal
+from areal.utils.secrets import redact_url, reveal
 from examples.swe.arena_agent_common import bounded, clean_text, describe_error, scrub_secrets
 from examples.swe.arena_audit import AuditShardWriter, audit_record
 from examples.swe.arena_client import LLM_PROTOCOLS, ArenaOpenAPIClient
@@ -445,7 +445,9 @@ class ArenaStreamAgentWorkflow:
     async def _run_direct(self, launch: _Launch) -> float:
         host = urlsplit(launch.proxy_url).hostname
         if not host:
-            raise ValueError(f"the proxy base_url {launch.proxy_url!r} has no host name")
+            raise ValueError(
+                f"the proxy base_url {redact_url(launch.proxy_url)!r} has no host name"
+            )
         configured = launch.envs.get("NO_PROXY") or launch.envs.get("no_proxy") or ""
         hosts = [h.strip() for h in configured.split(",") if h.strip()]
         if host not in hosts:

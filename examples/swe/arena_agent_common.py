@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from areal.utils.secrets import REDACTED, reveal
+from areal.utils.secrets import REDACTED, redact_urls, reveal
 
 __all__ = ["bounded", "clean_text", "describe_error", "scrub_secrets"]
 
@@ -23,7 +23,7 @@ def _mask(text: str, secret_values: tuple[str | None, ...]) -> str:
         plain = reveal(value)
         if plain:
             text = text.replace(plain, REDACTED)
-    return text
+    return redact_urls(text)  # user-info and query strings of any URL in the text
 
 
 def describe_error(error: BaseException, *secret_values: str | None) -> str:

@@ -28,13 +28,19 @@ import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
-from urllib.parse import urlsplit
 
 import httpx
 
-from areal.utils.secrets import SecretStr, reveal
+from areal.utils.secrets import SecretStr, redact_url, reveal
 from examples.swe.arena_dataset import DatasetPages, dataset_total, plan_pages
-from examples.swe.arena_http import ArenaRequest, ArenaTransport, Flow, Pause, encode_path
+from examples.swe.arena_http import (
+    ArenaRequest,
+    ArenaTransport,
+    Flow,
+    Pause,
+    check_http_url,
+    encode_path,
+)
 from examples.swe.arena_results import (
     FAILED_TASK_STATUSES,
     LAUNCH_PLACEHOLDER_TASK_ID,
@@ -72,14 +78,18 @@ API = "/openapi/v1"
 
 
 def resolve_arena_credentials(base_url: str = "", api_token: str = "") -> tuple[str, str]:
-    """``(base URL without trailing '/', token)`` from the arguments or the environment."""
+    """``(base URL without trailing '/', token)`` from the arguments or the environment.
+
+    The token is stripped of surrounding whitespace (a token file's trailing newline would
+    otherwise break the ``Authorization`` header and escape redaction).
+    """
     base = (base_url or os.environ.get("ARENA_OPENAPI_BASE", "")).strip()
-    token = reveal(api_token) or os.environ.get("ARENA_OPENAPI_TOKEN", "")
+    token = (reveal(api_token) or os.environ.get("ARENA_OPENAPI_TOKEN", "")).strip()
     if not base:
         raise ValueError(
             "Arena base URL is not set: set econfig.arena_base_url or ARENA_OPENAPI_BASE"
         )
-    if not token.strip():
+    if not token:
         raise ValueError("ARENA_OPENAPI_TOKEN is required for Arena OpenAPI calls")
     return base.rstrip("/"), token
 
@@ -111,29 +121,6 @@ def resolve_llm_protocol(stream: Mapping[str, Any], override: str = "") -> str:
         f"Unsupported Arena LLM protocol override {override!r}; use one of "
         f"{', '.join(LLM_PROTOCOLS)}"
     )
-
-
-def _validated_gateway_url(url: str, source: str) -> str:
-    problem = None
-    parts = urlsplit(url)
-    if any(c.isspace() for c in url):
-        problem = "contains whitespace"
-    elif parts.scheme not in ("http", "https"):
-        problem = "must use http or https"
-    elif not parts.hostname:
-        problem = "has no host"
-    elif parts.username or parts.password:
-        problem = "must not contain credentials"
-    elif parts.query or parts.fragment:
-        problem = "must not have a query or fragment"
-    else:
-        try:
-            parts.port  # noqa: B018 - raises ValueError for an invalid port
-        except ValueError:
-            problem = "has an invalid port"
-    if problem:
-        raise ValueError(f"{source} gives an invalid Arena LLM gateway URL {url!r}: {problem}")
-    return url
 
 
 def _check_model_name(model_name: str) -> None:
@@ -177,16 +164,16 @@ class ArenaOpenAPIClient:
         self.timeout = timeout
         self.poll_interval = poll_interval
         self.request_retries = request_retries
-        self._llm_api_key = SecretStr(
+        self._llm_api_key = SecretStr(  # stripped, like the token
             reveal(llm_api_key) or os.environ.get("ARENA_LLM_API_KEY", "")
         )
+        check_http_url(base, "Arena base URL", "econfig.arena_base_url (or ARENA_OPENAPI_BASE)")
         override = os.environ.get("ARENA_LLM_BASE_URL", "").strip().rstrip("/")
         if override:
-            self.llm_gateway_base_url = _validated_gateway_url(override, "ARENA_LLM_BASE_URL")
+            check_http_url(override, "Arena LLM base URL", "ARENA_LLM_BASE_URL")
+            self.llm_gateway_base_url = override
         else:
-            self.llm_gateway_base_url = _validated_gateway_url(
-                f"{base}/api", "econfig.arena_base_url / ARENA_OPENAPI_BASE"
-            )
+            self.llm_gateway_base_url = f"{base}/api"
         self._http = ArenaTransport(
             base,
             token,
@@ -201,7 +188,7 @@ class ArenaOpenAPIClient:
         )
 
     def __repr__(self) -> str:
-        return f"ArenaOpenAPIClient(base_url={self.base_url!r})"
+        return f"ArenaOpenAPIClient(base_url={redact_url(self.base_url)!r})"
 
     @property
     def llm_gateway_api_key(self) -> str:
@@ -349,8 +336,9 @@ class ArenaOpenAPIClient:
         timeout: float | None,
     ) -> Flow[tuple[str, str]]:
         _check_model_name(model_name)
-        if not upstream_base_url or not reveal(upstream_api_key):
+        if not upstream_base_url or not reveal(upstream_api_key).strip():
             raise ValueError("an Arena route needs a non-empty upstream base URL and API key")
+        check_http_url(upstream_base_url, "proxy base URL", "the Arena route's upstream")
         if protocol not in LLM_PROTOCOLS:
             raise ValueError(f"unsupported Arena LLM protocol {protocol!r}")
         body = {
@@ -360,7 +348,7 @@ class ArenaOpenAPIClient:
                     "endpoint_id": deployment_id,
                     "upstream_model": model_name,
                     "base_url": upstream_base_url.rstrip("/"),
-                    "api_key": reveal(upstream_api_key),
+                    "api_key": reveal(upstream_api_key).strip(),
                     # Arena converts Messages/Responses traffic to Chat for the upstream.
                     "inbound_protos": ["chat"],
                     "enabled": True,
@@ -500,7 +488,7 @@ class ArenaOpenAPIClient:
         envs = dict(task_envs or {})
         if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in envs.items()):
             raise ValueError("Arena task_envs keys and values must be strings (non-empty keys)")
-        api_key = reveal(proxy_api_key)
+        api_key = reveal(proxy_api_key).strip()
         envs.update(MODEL_NAME=model_name, BASE_URL=proxy_base_url, API_KEY=api_key)
         body: dict[str, Any] = {
             "data_id": data_id,

@@ -44,7 +44,8 @@ _STREAM_FIELDS = (
     "reward_threshold",
     "reward_transform_fn",
 )
-_NAME_RE = re.compile(r"[A-Za-z0-9_.-]+")
+# Names end up in metric keys and file names: one path part, never "." or "..".
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 # --- one Stream entry ---
@@ -97,10 +98,11 @@ def parse_arena_stream_config(value: ArenaStreamConfig | Mapping[str, Any]) -> A
         raise ValueError(f"Arena Stream entry has unknown fields: {', '.join(unknown)}")
 
     name = _text(value.get("name"))
-    if not name or not _NAME_RE.fullmatch(name):
+    if not name or not _NAME_RE.fullmatch(name) or ".." in name or len(name) > 128:
         raise ValueError(
-            f"Arena Stream name {name!r} may only contain letters, digits, '.', '_' and '-' "
-            "(it is used in metric keys)"
+            f"Arena Stream name {name!r} may only contain letters, digits, '.', '_' and '-', "
+            "must start with a letter, a digit or '_', must not contain '..' and has at most "
+            "128 characters (it is used in metric keys and file names)"
         )
     stream_id = _text(value.get("stream_id"))
     if not stream_id:

@@ -10,6 +10,9 @@ Retry policy (each request, ``retries + 1`` attempts): transport errors, HTTP 42
 a 403 whose body carries the gateway's transient marker, and a 302 to the gateway's
 upstream-502 waiting page are retried after ``min(2**attempt, 10)`` seconds. A request
 that exhausts its attempts on a transport error fails naming only the exception class.
+
+URLs are checked with :func:`check_http_url`, whose errors name the setting and the
+problem and show the URL only with its user-info, query values and fragment as ``***``.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import httpx
 
-from areal.utils.secrets import REDACTED, SecretStr, reveal
+from areal.utils.secrets import REDACTED, SecretStr, redact_url, redact_urls, reveal
 from examples.swe.arena_results import ArenaAPIError
 
 __all__ = [
@@ -35,8 +38,10 @@ __all__ = [
     "Flow",
     "Pause",
     "backoff_delay",
+    "check_http_url",
     "encode_path",
     "is_retryable_response",
+    "url_problem",
 ]
 
 T = TypeVar("T")
@@ -70,6 +75,44 @@ Flow = Generator[Step, Any, T]
 def encode_path(value: str) -> str:
     """Percent-encode a path parameter with no safe characters (``a/b`` -> ``a%2Fb``)."""
     return quote(str(value), safe="")
+
+
+def url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as a plain http(s) base URL, or ``None``.
+
+    A base URL has a scheme (http or https) and a host, and no whitespace, credentials,
+    query, fragment or bad port: anything after the host and port is a path.
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:  # e.g. an unclosed IPv6 bracket
+        return "is not a valid URL"
+    if any(c.isspace() for c in url):
+        return "contains whitespace"
+    if parts.scheme not in ("http", "https"):
+        return "must use http or https"
+    if parts.username is not None or parts.password is not None or "@" in parts.netloc:
+        return "must not contain credentials (user:password@); pass keys in their own settings"
+    if not parts.hostname:
+        return "has no host"
+    if parts.query or parts.fragment or "?" in url or "#" in url:
+        return "must not have a query or fragment"
+    try:
+        parts.port  # noqa: B018 - raises ValueError for an invalid port
+    except ValueError:
+        return "has an invalid port"
+    return None
+
+
+def check_http_url(url: str, what: str, source: str) -> str:
+    """``url`` if it is a plain http(s) base URL, else ``ValueError`` naming ``source``.
+
+    The message shows the URL with its secret parts as ``***`` (:func:`redact_url`).
+    """
+    problem = url_problem(url)
+    if problem is not None:
+        raise ValueError(f"{source} gives an invalid {what} {redact_url(url)!r}: {problem}")
+    return url
 
 
 def backoff_delay(attempt: int) -> float:
@@ -175,7 +218,7 @@ class ArenaTransport:
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ValueError(f"request retries must be an int >= 0, got {retries!r}")
         self.base_url = base_url.rstrip("/")
-        self._token = SecretStr(reveal(token))
+        self._token = SecretStr(token)  # stripped: a trailing newline breaks the header
         self.retries = retries
         self.timeout = timeout
         if max_connections < 1:
@@ -189,7 +232,7 @@ class ArenaTransport:
         self._async_transport = async_transport
         self._sleep = sleep or time.sleep
         self._async_sleep = async_sleep or asyncio.sleep
-        self._secrets = tuple(reveal(s) for s in (token, *secrets) if reveal(s))
+        self._secrets = tuple(reveal(s).strip() for s in (token, *secrets) if reveal(s).strip())
         self._label = error_label
         self._lock = threading.Lock()
         self._client: httpx.Client | None = None
@@ -199,7 +242,7 @@ class ArenaTransport:
         )
 
     def __repr__(self) -> str:
-        return f"ArenaTransport(base_url={self.base_url!r}, retries={self.retries})"
+        return f"ArenaTransport(base_url={redact_url(self.base_url)!r}, retries={self.retries})"
 
     # --- pooled clients ---
 
@@ -266,6 +309,10 @@ class ArenaTransport:
             kwargs["timeout"] = request.timeout
         return kwargs
 
+    def _invalid_url(self, request: ArenaRequest) -> ArenaAPIError:
+        # httpx's message may quote the URL; only the path is shown.
+        return ArenaAPIError(f"{self._label} {request.method} {request.path}: invalid URL")
+
     def _exhausted(self, request: ArenaRequest, attempts: int, exc: Exception) -> ArenaAPIError:
         return ArenaAPIError(
             f"{self._label} {request.method} {request.path} request failed after {attempts} "
@@ -279,6 +326,8 @@ class ArenaTransport:
         for attempt in range(attempts):
             try:
                 response = http.request(request.method, url, **self._kwargs(request))
+            except httpx.InvalidURL:
+                raise self._invalid_url(request) from None
             except httpx.RequestError as exc:
                 if attempt == attempts - 1:
                     raise self._exhausted(request, attempt + 1, exc) from None
@@ -300,6 +349,8 @@ class ArenaTransport:
         for attempt in range(attempts):
             try:
                 response = await http.request(request.method, url, **self._kwargs(request))
+            except httpx.InvalidURL:
+                raise self._invalid_url(request) from None
             except httpx.RequestError as exc:
                 if attempt == attempts - 1:
                     raise self._exhausted(request, attempt + 1, exc) from None
@@ -315,10 +366,11 @@ class ArenaTransport:
     # --- response helpers ---
 
     def mask(self, text: str) -> str:
-        """``text`` with the token (and other known secrets) replaced by ``<redacted>``."""
+        """``text`` with the token (and other known secrets) replaced by ``<redacted>``, and
+        the secret parts of any URL in it by ``***``."""
         for secret in self._secrets:
             text = text.replace(secret, REDACTED)
-        return text
+        return redact_urls(text)
 
     def check_status(self, response: httpx.Response, request: ArenaRequest) -> None:
         if not 200 <= response.status_code < 300:

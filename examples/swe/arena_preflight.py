@@ -27,11 +27,11 @@ from typing import Any
 
 import httpx
 
-from areal.utils.secrets import SecretStr
+from areal.utils.secrets import SecretStr, redact_url
 from areal.utils.table import render_table
 from examples.swe.arena_client import ArenaAPIError, infer_llm_protocol_from_harness
 from examples.swe.arena_config import load_arena_stream_configs
-from examples.swe.arena_http import ArenaRequest, ArenaTransport, encode_path
+from examples.swe.arena_http import ArenaRequest, ArenaTransport, check_http_url, encode_path
 from examples.swe.arena_results import FAILED_TASK_STATUSES, SUCCESS_TASK_STATUSES
 from examples.swe.arena_types import ArenaStreamConfig
 
@@ -82,6 +82,7 @@ class PreflightHTTP:
         transport: httpx.BaseTransport | None = None,
         sleep: Callable[[float], None] | None = None,
     ):
+        check_http_url(base_url.strip().rstrip("/"), "Arena base URL", "--base-url")
         self.api_base = normalize_api_base(base_url)
         self._retries = retries
         self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
@@ -91,8 +92,8 @@ class PreflightHTTP:
 
     def _client(self) -> ArenaTransport:
         if self._http is None:
-            token = os.environ.get("ARENA_OPENAPI_TOKEN", "")
-            if not token.strip():
+            token = os.environ.get("ARENA_OPENAPI_TOKEN", "").strip()
+            if not token:
                 raise ArenaAPIError("ARENA_OPENAPI_TOKEN is required for Arena preflight")
             self._http = ArenaTransport(
                 self.api_base,
@@ -349,12 +350,15 @@ def probe_llm_gateway(base_url: str, *, transport: httpx.BaseTransport | None = 
     Returns ``"accepted"`` or ``"inconclusive (HTTP n)"``; raises when the key is missing
     or rejected (401/403), or the gateway cannot be reached.
     """
-    key = os.environ.get("ARENA_LLM_API_KEY", "")
-    if not key.strip():
+    key = os.environ.get("ARENA_LLM_API_KEY", "").strip()
+    if not key:
         raise ValueError("ARENA_LLM_API_KEY is required for --probe-llm-gateway")
     override = os.environ.get("ARENA_LLM_BASE_URL", "").strip().rstrip("/")
-    root = normalize_api_base(base_url)[: -len(API_SUFFIX)]
-    gateway = override or f"{root}/api"
+    if override:
+        gateway = check_http_url(override, "Arena LLM base URL", "ARENA_LLM_BASE_URL")
+    else:
+        check_http_url(base_url.strip().rstrip("/"), "Arena base URL", "--base-url")
+        gateway = normalize_api_base(base_url)[: -len(API_SUFFIX)] + "/api"
     http = ArenaTransport(
         gateway,
         SecretStr(key),
@@ -369,7 +373,7 @@ def probe_llm_gateway(base_url: str, *, transport: httpx.BaseTransport | None = 
         response = http.send(request)
         if response.status_code in (401, 403):
             raise ArenaAPIError(
-                f"the Arena LLM gateway {gateway} rejected ARENA_LLM_API_KEY "
+                f"the Arena LLM gateway {redact_url(gateway)} rejected ARENA_LLM_API_KEY "
                 f"(HTTP {response.status_code}); tasks would fail at their first model call"
             )
         if 200 <= response.status_code < 300:

@@ -8,6 +8,11 @@ profile ``examples/swe/arena_local.yaml``: a local Arena started in-process, the
 scheduler, the embedded inference server and an FSDP actor on CPU. Afterwards it plots the
 curves and prints per-step rewards, the Arena task outcomes and where everything is.
 Extra ``key=value`` arguments are passed to the profile as overrides.
+
+The profile does not recover, so a rerun of a trial starts clean: the demo first removes
+what an earlier run of the same trial left under ``--root`` (stats, trajectories, audit
+shards, checkpoints, local Arena state), and its summary shows this run only. With the
+override ``recover.mode=auto`` (or ``on``) a rerun resumes instead, and nothing is removed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import getpass
 import json
 import os
 import secrets
+import shutil
 import sys
 import time
 from collections import Counter
@@ -87,6 +93,32 @@ def _mean_score(audit: list[dict], stream: str, status: str) -> str:
     return f"{sum(scores) / len(scores):.3f}" if scores else "-"
 
 
+def previous_run(root: Path, trial: str) -> list[Path]:
+    """What a run of ``trial`` left under ``root`` (the model cache and other trials stay)."""
+    user = getpass.getuser()
+    candidates = [
+        root / "logs" / user / EXPERIMENT / trial,
+        root / EXPERIMENT / trial,
+        root / "checkpoints" / user / EXPERIMENT / trial,
+        root / "local_arena" / EXPERIMENT / trial,
+    ]
+    return [path for path in candidates if path.exists()]
+
+
+def recovers(overrides: list[str]) -> bool:
+    """Whether the overrides turn recover on (a rerun then resumes)."""
+    modes = [o.split("=", 1)[1].strip() for o in overrides if o.startswith("recover.mode=")]
+    return bool(modes) and modes[-1] in ("on", "auto")
+
+
+def clear_previous_run(root: Path, trial: str) -> list[Path]:
+    """Remove an earlier run of ``trial`` so this one starts clean; what was removed."""
+    removed = previous_run(root, trial)
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=REPO / ".cache" / "demo")
@@ -107,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["SWE_RL_ADMIN_API_KEY"] = secrets.token_urlsafe(24)  # this run only
     print(f"demo: model {model}; files under {root}", flush=True)
+    if not recovers(overrides) and clear_previous_run(root, args.trial):
+        print(f"demo: removed the previous run of trial {args.trial!r} (starting clean)")
     train_main(
         [
             "--config",

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from areal.api.cli_args import PPOConfig
 from areal.api.config.fields import ConfigNode, FieldError, cfg_field
+from areal.utils.secrets import redact_url
+from examples.swe.arena_http import url_problem
 from examples.swe.arena_types import ArenaRewardRefConfig, ArenaStreamConfig
 
 __all__ = ["ArenaRewardRefConfig", "ArenaStreamConfig", "SWEEnvConfig", "SWEPPOConfig"]
@@ -41,12 +43,18 @@ class SWEEnvConfig(ConfigNode):
         0, help="Rows per epoch drawn by weight; 0 uses every row of every Stream once."
     )
     arena_result_dump_dir: str = cfg_field(
-        "", help="Directory of mode-0600 JSONL audit shards; empty disables them."
+        "",
+        help="Directory of mode-0600 JSONL audit shards; empty disables them. Checked when "
+        "the agent starts: a symlink on its path, or a directory it cannot write, is an error.",
     )
     arena_result_dump_max_bytes: int = cfg_field(
         1_000_000, help="Cap on each record's raw result payload, in bytes."
     )
-    arena_base_url: str = cfg_field("", help="Arena OpenAPI base; empty uses ARENA_OPENAPI_BASE.")
+    arena_base_url: str = cfg_field(
+        "",
+        help="Arena OpenAPI base (http(s), no credentials or query); empty uses "
+        "ARENA_OPENAPI_BASE, 'local' serves a local Arena in this process.",
+    )
     arena_request_timeout: float = cfg_field(
         60.0, help="Seconds per Stream/dataset request and reward-ref check."
     )
@@ -115,6 +123,15 @@ class SWEEnvConfig(ConfigNode):
         for key, value in self.arena_task_envs.items():
             if not key or not isinstance(value, str):
                 raise FieldError("arena_task_envs", "must map non-empty names to strings")
+        base = self.arena_base_url.strip().rstrip("/")
+        if base and base != "local":
+            problem = url_problem(base)
+            if problem is not None:
+                raise FieldError(
+                    "arena_base_url",
+                    f"invalid Arena base URL {redact_url(base)!r}: {problem} (the token goes "
+                    "in ARENA_OPENAPI_TOKEN, never in the URL)",
+                )
 
 
 @dataclass

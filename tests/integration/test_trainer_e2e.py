@@ -124,7 +124,13 @@ class ProbedTrainer(PPOTrainer):
             "sampling_params": {"max_new_tokens": 4, "temperature": 0.0},
             "return_logprob": True,
         }
-        reply = httpx.post(f"http://{address}/generate", json=body, timeout=60).json()
+        key = self.scheduler.inference_api_key.reveal()  # the run's server API key
+        reply = httpx.post(
+            f"http://{address}/generate",
+            json=body,
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+        ).json()
         output = list(reply["output_ids"])
         server_logp = [lp for lp, _, _ in reply["meta_info"]["output_token_logprobs"]]
         ids = [*self.prompt, *output]

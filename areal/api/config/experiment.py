@@ -7,6 +7,7 @@ from typing import Any
 
 from areal.api.config.fields import MISSING, ConfigNode, FieldError, cfg_field
 from areal.api.config.scheduling import SchedulingSpec
+from areal.utils.paths import path_name_problem
 
 __all__ = [
     "BaseExperimentConfig",
@@ -26,6 +27,7 @@ __all__ = [
     "TrainDatasetConfig",
     "ValidDatasetConfig",
     "WandBConfig",
+    "check_path_names",
 ]
 
 
@@ -79,6 +81,22 @@ class SchedulerConfig(ConfigNode):
     reward_model_service_url: str = cfg_field(
         "http://localhost:30000/classify", help="Legacy; unused."
     )
+
+
+def check_path_names(node: object, *names: str) -> None:
+    """Raise :class:`FieldError` for the first of ``names`` whose value cannot be one path part.
+
+    Experiment and trial names become directories (logs, checkpoints, name-resolve
+    records), so ``../x`` or ``a/b`` would write outside ``fileroot``. Unset values
+    (``MISSING``, ``None``) are left to the required-field checks.
+    """
+    for name in names:
+        value = getattr(node, name)
+        if value is None or value == MISSING:
+            continue
+        problem = path_name_problem(value)
+        if problem is not None:
+            raise FieldError(name, f"{problem}; it is used as a directory name")
 
 
 def _dataset_service_spec() -> SchedulingSpec:
@@ -135,6 +153,7 @@ class _TimedConfig(ConfigNode):
     freq_secs: int | None = cfg_field(None, help="Fire every N seconds (null: never).")
 
     def validate(self) -> None:
+        check_path_names(self, "experiment_name", "trial_name")
         for name in ("freq_epochs", "freq_steps", "freq_secs"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -234,6 +253,9 @@ class StatsLoggerConfig(ConfigNode):
     tensorboard: TensorBoardConfig = cfg_field(factory=TensorBoardConfig, help="TensorBoard.")
     trackio: TrackioConfig = cfg_field(factory=TrackioConfig, help="Trackio.")
 
+    def validate(self) -> None:
+        check_path_names(self, "experiment_name", "trial_name")
+
 
 @dataclass
 class SessionTracerConfig(ConfigNode):
@@ -254,6 +276,9 @@ class PerfTracerConfig(ConfigNode):
     save_interval: int = cfg_field(1, help="Steps between trace saves.")
     profile_steps: list[int] | None = cfg_field(None, help="Steps to profile with torch.")
     session_tracer: SessionTracerConfig | None = cfg_field(None, help="Session tracing.")
+
+    def validate(self) -> None:
+        check_path_names(self, "experiment_name", "trial_name")
 
 
 @dataclass
@@ -294,6 +319,7 @@ class BaseExperimentConfig(ConfigNode):
     post_exit_hook: str = cfg_field("", help="SPMD launchers only.")
 
     def validate(self) -> None:
+        check_path_names(self, "experiment_name", "trial_name")
         if self.total_train_epochs <= 0:
             raise FieldError("total_train_epochs", f"must be > 0 (got {self.total_train_epochs})")
         if self.total_train_steps is not None and self.total_train_steps < 1:

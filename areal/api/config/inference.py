@@ -22,7 +22,13 @@ __all__ = [
 ]
 
 DEFAULT_ADMIN_API_KEY = "areal-admin-key"
+# The SGLang range the conformance tier (tests/conformance) passes; keep pyproject's extra equal.
 MIN_SGLANG_VERSION = "0.5.10.post1"
+MAX_SGLANG_VERSION = "0.5.23"
+# SGLang 0.5.14 split the CUDA-graph batch-size flags by phase: --cuda-graph-max-bs and
+# --cuda-graph-bs became deprecated aliases of the -decode flags (the only graphs older
+# versions capture), and 0.5.20 removed them (argparse then calls them ambiguous prefixes).
+_DECODE_CUDA_GRAPH_FLAGS_SINCE = "0.5.14"
 
 
 @dataclass
@@ -150,6 +156,16 @@ class AgentConfig(ConfigNode):
         False, help="Drop interactions superseded by a harness retry."
     )
     session_timeout_seconds: float = cfg_field(3600, help="Idle session expiry in seconds.")
+    max_body_bytes: int = cfg_field(
+        16 * 1024 * 1024,
+        help="Largest request body the rollout proxy accepts, in bytes (default 16 MiB); "
+        "larger ones get HTTP 413.",
+    )
+    export_timeout_seconds: float = cfg_field(
+        300.0,
+        help="Seconds an export waits for a session that was never ended before it fails "
+        "with HTTP 409 (default 300).",
+    )
     set_reward_finish_timeout: float = cfg_field(
         0.0, help="Seconds to wait for in-flight calls when a reward is set (>= 0)."
     )
@@ -167,6 +183,10 @@ class AgentConfig(ConfigNode):
             raise FieldError("set_reward_finish_timeout", "must be >= 0")
         if self.session_timeout_seconds <= 0:
             raise FieldError("session_timeout_seconds", "must be > 0")
+        if self.max_body_bytes < 1:
+            raise FieldError("max_body_bytes", f"must be >= 1 byte (got {self.max_body_bytes})")
+        if self.export_timeout_seconds <= 0:
+            raise FieldError("export_timeout_seconds", "must be > 0 seconds")
         if self.engine_max_tokens is not None and self.engine_max_tokens < 1:
             raise FieldError("engine_max_tokens", "must be a positive token count or null")
 
@@ -206,6 +226,19 @@ class InferenceEngineConfig(ConfigNode):
     )
     request_retries: int = cfg_field(3, help="Total attempts per inference HTTP call.")
     pause_grace_period: float = cfg_field(0.0, help="Seconds to sleep after pausing servers.")
+    health_check_interval: float = cfg_field(
+        5.0,
+        help="Seconds between health checks of every server and rollout worker (default 5.0; "
+        "0 turns the checks off).",
+    )
+    health_check_timeout: float = cfg_field(
+        5.0, help="Seconds one health check may take before it counts as failed (default 5.0)."
+    )
+    health_check_failures: int = cfg_field(
+        3,
+        help="Consecutive failed health checks that declare a server or worker dead and fail "
+        "the run (default 3).",
+    )
     scheduling_spec: tuple[SchedulingSpec, ...] = cfg_field(
         factory=_rollout_worker_specs, help="Rollout worker resources (1 or 2 specs)."
     )
@@ -252,6 +285,12 @@ class InferenceEngineConfig(ConfigNode):
             raise FieldError("request_retries", "counts total attempts and must be >= 1")
         if self.request_timeout <= 0 or self.setup_timeout <= 0:
             raise FieldError("request_timeout", "timeouts must be > 0 seconds")
+        if self.health_check_interval < 0:
+            raise FieldError("health_check_interval", "must be >= 0 seconds (0 turns checks off)")
+        if self.health_check_timeout <= 0:
+            raise FieldError("health_check_timeout", "must be > 0 seconds")
+        if self.health_check_failures < 1:
+            raise FieldError("health_check_failures", "must be >= 1")
         if self.deterministic_sampling and self.max_head_offpolicyness > 0:
             self.warn(
                 "rollout.deterministic_sampling with max_head_offpolicyness > 0 is not "
@@ -337,9 +376,15 @@ class SGLangConfig(ConfigNode):
         n_nodes: int = 1,
         node_rank: int = 0,
         pp_size: int = 1,
+        sglang_version: str | None = None,
     ) -> dict[str, Any]:
-        """The ``launch_server`` flag dict for one server."""
-        _check_sglang_version()
+        """The ``launch_server`` flag dict for one server.
+
+        ``sglang_version`` is the SGLang the server will run (default: the one installed
+        here, else :data:`MIN_SGLANG_VERSION`); flags SGLang renamed are spelled its way.
+        """
+        version = sglang_version or target_sglang_version()
+        _check_sglang_version(version)
         if sglang_config.enable_deterministic_inference and sglang_config.attention_backend not in (
             "flashinfer",
             "fa3",
@@ -365,6 +410,7 @@ class SGLangConfig(ConfigNode):
         )
         if pp_size > 1:
             args["pp_size"] = pp_size
+        args = spell_for_sglang(args, version)
         if host is not None:
             args["host"] = host
         if port is not None:
@@ -378,17 +424,68 @@ class SGLangConfig(ConfigNode):
         return get_py_cmd("sglang.launch_server", args, python=python)
 
 
-def _check_sglang_version() -> None:
-    """Refuse an installed SGLang older than the tested API; absent SGLang is fine here."""
-    try:
-        installed = importlib.metadata.version("sglang")
-    except importlib.metadata.PackageNotFoundError:
-        return
+_CUDA_GRAPH_FLAGS = (
+    ("cuda_graph_max_bs", "cuda_graph_max_bs_decode"),
+    ("cuda_graph_bs", "cuda_graph_bs_decode"),
+)
+
+
+def spell_for_sglang(args: dict[str, Any], version: str) -> dict[str, Any]:
+    """``args`` with renamed flags spelled as SGLang ``version`` accepts them.
+
+    Either spelling goes in, so the launching worker can respell arguments a controller
+    built for another version (the controller often has no SGLang installed).
+    """
     from packaging.version import Version
 
-    if Version(installed) < Version(MIN_SGLANG_VERSION):
+    out = dict(args)
+    new_names = Version(version) >= Version(_DECODE_CUDA_GRAPH_FLAGS_SINCE)
+    for old, new in _CUDA_GRAPH_FLAGS:
+        src, dst = (old, new) if new_names else (new, old)
+        if src in out:
+            value = out.pop(src)
+            if value is not None or dst not in out:
+                out[dst] = value
+    return out
+
+
+def target_sglang_version() -> str:
+    """The SGLang version installed in this environment, else :data:`MIN_SGLANG_VERSION`."""
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return MIN_SGLANG_VERSION
+
+
+_warned_newer: set[str] = set()
+
+
+def _check_sglang_version(version: str | None = None) -> None:
+    """Refuse SGLang older than the tested range; warn (once) about a newer one.
+
+    ``version`` defaults to the installed SGLang (absent SGLang is fine here). Older
+    releases lack routes and fields the client sends, so they are refused. A newer release
+    usually still works, and refusing it would block an upgrade the user may need, but its
+    flags and routes were not checked: warn, naming the range the conformance tier passed.
+    """
+    if version is None:
+        try:
+            version = importlib.metadata.version("sglang")
+        except importlib.metadata.PackageNotFoundError:
+            return
+    from packaging.version import Version
+
+    if Version(version) < Version(MIN_SGLANG_VERSION):
         raise RuntimeError(
-            f"sglang {installed} is installed; this port needs sglang >= {MIN_SGLANG_VERSION}"
+            f"sglang {version} is older than this port supports: it needs sglang >= "
+            f"{MIN_SGLANG_VERSION} (tested up to {MAX_SGLANG_VERSION})"
+        )
+    if Version(version) > Version(MAX_SGLANG_VERSION) and version not in _warned_newer:
+        _warned_newer.add(version)
+        ConfigNode.warn(
+            f"sglang {version} is newer than the newest release this port was tested with "
+            f"({MAX_SGLANG_VERSION}; tested range {MIN_SGLANG_VERSION} to {MAX_SGLANG_VERSION}): "
+            "its launch flags and HTTP API were not checked"
         )
 
 

@@ -11,6 +11,7 @@ the offending key.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import os
@@ -36,7 +37,7 @@ from omegaconf.errors import (
 from areal.api.config.fields import ConfigError, FieldError
 from areal.utils import logging, name_resolve
 from areal.utils.config_utils import redact_sensitive_config
-from areal.utils.paths import get_log_path
+from areal.utils.paths import get_log_path, make_private_dirs
 
 __all__ = [
     "check_known_keys",
@@ -357,16 +358,32 @@ def conf_as_dict(cfg: Any) -> dict[str, Any]:
 
 
 def save_config(cfg: Any, log_dir: str | os.PathLike[str]) -> Path:
-    """Write ``config.yaml`` (secrets redacted, fields in declaration order) to ``log_dir``."""
+    """Write ``config.yaml`` (secrets redacted, fields in declaration order) to ``log_dir``.
+
+    The file is readable by its owner only (0600), as are the directories created for it
+    (0700): redaction is by rule, and a run's settings are nobody else's business.
+    """
     path = Path(log_dir)
-    path.mkdir(parents=True, exist_ok=True)
+    make_private_dirs(path)
     target = path / "config.yaml"
     text = yaml.safe_dump(
         redact_sensitive_config(conf_as_dict(cfg)), sort_keys=False, allow_unicode=True
     )
-    tmp = target.with_suffix(".yaml.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, target)
+    tmp = target.with_suffix(f".yaml.{os.getpid()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # a leftover temp file may have had other bits
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            fd = -1
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        if fd != -1:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
     return target
 
 

@@ -149,6 +149,16 @@ def _sglang_flags(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
             f"--enable-nan-detection is not a flag of {_SGLANG_VERSIONS}, whose server exits "
             "at argument parsing; set sglang.enable_nan_detection: false",
         )
+    if s.skip_tokenizer_init:
+        for name in ("gconfig", "eval_gconfig"):
+            g = getattr(cfg, name)
+            if g is not None and g.min_new_tokens > 0:
+                yield FieldError(
+                    f"{name}.min_new_tokens",
+                    f"{g.min_new_tokens} needs a server with a tokenizer (SGLang penalizes "
+                    "its EOS id), but sglang.skip_tokenizer_init is true; set "
+                    f"{name}.min_new_tokens: 0 or sglang.skip_tokenizer_init: false",
+                )
 
 
 def _context_budget(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:

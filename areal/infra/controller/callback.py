@@ -3,8 +3,14 @@
 Train ranks run in worker processes and cannot reach the rollout workers' engines
 directly; :class:`RolloutCallback` (what ``connect_engine`` hands them) posts each
 request to the controller, whose :class:`CallbackServer` forwards it to every rollout
-worker. Rollout workers also report finished tasks here (``rollout_complete``). Every
-request carries the experiment's RPC token.
+worker. Rollout workers also report finished tasks here (``rollout_complete``).
+
+Both directions are signed with the experiment's RPC token as
+:mod:`areal.infra.rpc.auth` describes (the token never travels): the server admits
+only signed requests (401 otherwise), caps bodies at ``CALLBACK_MAX_BODY_BYTES``
+(64 MiB, 413 beyond) and signs its answers; :class:`RolloutCallback` signs its requests
+and refuses answers that do not verify. Another client (the workflow executor's
+completion report) signs with :func:`areal.infra.rpc.auth.signed_headers`.
 
 Weight-update calls return futures: the NCCL group and the disk load both need the
 trainer to act (join, broadcast, publish the checkpoint) while the rollout side waits.
@@ -26,13 +32,15 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from areal.api.io_struct import ParamSpec, WeightUpdateMeta
-from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
-from areal.infra.rpc.serialization import deserialize_value, serialize_value
-from areal.proxy.keys import same_secret
+from areal.api.scheduler_api import RPC_TOKEN_ENV
+from areal.infra.rpc.auth import RequestSigner, SignatureError
+from areal.infra.rpc.guard import SignedRequestGuard
+from areal.infra.rpc.serialization import deserialize_value, json_dumps, serialize_value
 
 __all__ = ["CallbackServer", "RolloutCallback"]
 
 CALLBACK_TIMEOUT = 7200.0
+CALLBACK_MAX_BODY_BYTES = 64 * 1024 * 1024  # weight-update metadata and parameter specs
 _pool = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="rollout-callback")
 
 
@@ -50,12 +58,20 @@ class RolloutCallback:
 
     def _post(self, path: str, **payload: Any) -> Any:
         token = os.environ.get(RPC_TOKEN_ENV, "")
-        response = httpx.post(
-            f"http://{self.controller_addr}/callback/{path}",
-            json=serialize_value(payload),
-            headers={RPC_TOKEN_HEADER: token},
-            timeout=CALLBACK_TIMEOUT,
-        )
+        if not token:
+            raise RuntimeError(f"callback {path}: ${RPC_TOKEN_ENV} is empty; cannot sign")
+        try:
+            response = httpx.post(
+                f"http://{self.controller_addr}/callback/{path}",
+                content=json_dumps(serialize_value(payload)),
+                headers={"content-type": "application/json"},
+                auth=RequestSigner(token),
+                timeout=CALLBACK_TIMEOUT,
+            )
+        except SignatureError as e:
+            raise RuntimeError(
+                f"callback {path}: {self.controller_addr} is not this run's controller: {e}"
+            ) from None
         if response.status_code >= 300:
             raise RuntimeError(
                 f"callback {path}: HTTP {response.status_code}: {response.text[:500]}"
@@ -89,15 +105,19 @@ class CallbackServer:
     server's thread pool, so a long weight update does not delay completion reports.
     """
 
-    def __init__(self, handlers: dict[str, Callable[..., Any]], token: str):
+    def __init__(
+        self,
+        handlers: dict[str, Callable[..., Any]],
+        token: str,
+        *,
+        max_body_bytes: int = CALLBACK_MAX_BODY_BYTES,
+    ):
         self.handlers = handlers
-        self.token = token
-        self.app = FastAPI(openapi_url=None, docs_url=None)
-        self.app.add_api_route("/callback/{action}", self._handle, methods=["POST"])
+        api = FastAPI(openapi_url=None, docs_url=None)
+        api.add_api_route("/callback/{action}", self._handle, methods=["POST"])
+        self.app = SignedRequestGuard(api, token, max_body_bytes=max_body_bytes)
 
     async def _handle(self, action: str, request: Request) -> JSONResponse:
-        if not same_secret(request.headers.get(RPC_TOKEN_HEADER, ""), self.token):
-            return JSONResponse({"error": "missing or wrong RPC token"}, status_code=401)
         handler = self.handlers.get(action)
         if handler is None:
             return JSONResponse({"error": f"no callback {action!r}"}, status_code=404)

@@ -8,6 +8,14 @@ dataloader only when they can be dispatched, so in synchronous mode the dataload
 position after step ``k`` is exactly ``(k + 1) x batch_size`` rows. Workers report a
 finished task to the callback server; a fetcher thread then collects its trajectory.
 
+Rows drawn from a :class:`~areal.trainer.dataloader.StatefulDataLoader` stay outstanding
+in it until their group is handed to the trainer or rejected, so a recover checkpoint
+knows which rows were drawn ahead (asynchronous mode) and a resumed run trains them.
+
+A :class:`~areal.infra.controller.health.HealthSupervisor` probes every server and
+worker (``rollout.health_check_*``); when one is dead, dispatching stops at once and
+:meth:`wait`, :meth:`prepare_batch` and every call to the workers raise its error.
+
 The callback server also serves the train ranks' weight-update requests
 (:class:`RolloutCallback`), forwarding each to every rollout worker.
 """
@@ -15,6 +23,7 @@ The callback server also serves the train ranks' weight-update requests
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -23,7 +32,7 @@ import queue
 import shutil
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +40,7 @@ from areal.api.cli_args import InferenceEngineConfig, SchedulingSpec, Scheduling
 from areal.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Scheduler, Worker
 from areal.infra.controller.callback import CallbackServer, RolloutCallback
+from areal.infra.controller.health import HealthSupervisor, HealthTarget, RolloutHealthError
 from areal.infra.staleness_manager import StalenessManager
 from areal.utils import logging, stats_tracker
 from areal.utils.network import gethostip
@@ -42,6 +52,7 @@ logger = logging.getLogger("rollout.controller")
 
 ENGINE_CLASS = "areal.engine.sglang_remote.RemoteSGLangEngine"
 RESCUE_AFTER = 30.0  # seconds without a completion report before the controller polls
+WATCH_PERIOD = 0.2  # seconds between health looks while waiting on worker calls
 
 
 @dataclass
@@ -51,6 +62,7 @@ class _Task:
     submit_kwargs: dict[str, Any]
     worker: Worker | None = None
     started: float = 0.0
+    row_key: Any = None  # the dataloader's key of the row (None: submitted directly)
 
 
 def merge_worker_stats(per_worker: list[dict[str, float]]) -> dict[str, float]:
@@ -86,7 +98,14 @@ class RolloutController:
         self._paused = False
         self._stopping = False
         self._error: Exception | None = None
-        self._source: Iterator[tuple[Any, dict[str, Any]]] | None = None
+        self._health: HealthSupervisor | None = None
+        self._health_error: RolloutHealthError | None = None
+        self._quiet_lock = threading.Lock()
+        self._quiet_calls = 0  # weight updates and memory calls being forwarded
+        self._servers_paused = False
+        self._source: Iterator[tuple[Any, Any, dict[str, Any]]] | None = None
+        self._settle: Callable[[list[Any]], None] | None = None
+        self._row_keys: dict[int, Any] = {}  # task id -> row key, until settled
         self._threads: list[threading.Thread] = []
         self._server_cm: contextlib.AbstractContextManager | None = None
         self.callback_addr = ""
@@ -132,6 +151,7 @@ class RolloutController:
             self.config.max_head_offpolicyness,
         )
         self._start_callback_server()
+        self._start_health_supervisor()
         for target, name in ((self._dispatch_loop, "dispatch"), (self._fetch_loop, "fetch")):
             thread = threading.Thread(target=target, name=f"{self.role}-{name}", daemon=True)
             thread.start()
@@ -154,6 +174,63 @@ class RolloutController:
         url = self._server_cm.__enter__()
         self.callback_addr = f"{gethostip()}:{url.rsplit(':', 1)[1]}"
 
+    def _start_health_supervisor(self) -> None:
+        c = self.config
+        if c.health_check_interval <= 0:
+            return
+        servers = [
+            HealthTarget("inference server", addr, w.id, "/health", quiet_path="/get_model_info")
+            for w, addr in zip(self.workers, self.server_addrs, strict=True)
+        ]
+        workers = [HealthTarget("rollout worker", w.address, w.id) for w in self.workers]
+        self._health = HealthSupervisor(
+            servers + workers,
+            interval=c.health_check_interval,
+            timeout=c.health_check_timeout,
+            failures=c.health_check_failures,
+            on_failure=self._on_health_failure,
+            quiet=self._servers_quiet,
+            name=f"{self.role}-health",
+        )
+        self._health.start()
+
+    def _on_health_failure(self, error: RolloutHealthError) -> None:
+        with self._lock:  # under the lock: no task is dispatched after this line is logged
+            if self._health_error is None:
+                self._health_error = error
+                logger.error("%s", error)
+            self._lock.notify_all()
+
+    def _servers_quiet(self) -> bool:
+        with self._quiet_lock:
+            return self._servers_paused or self._quiet_calls > 0
+
+    @contextlib.contextmanager
+    def _quiet(self) -> Iterator[None]:
+        """Servers are busy with a weight update or memory call; see the health module."""
+        with self._quiet_lock:
+            self._quiet_calls += 1
+        try:
+            yield
+        finally:
+            with self._quiet_lock:
+                self._quiet_calls -= 1
+
+    def check_health(self) -> None:
+        """Raise the error of a server or worker found dead (before work that needs them)."""
+        if self._health_error is not None:
+            raise self._health_error
+
+    def diagnose(self) -> RolloutHealthError | None:
+        """Why the rollout side is broken, if it is: a known dead server or worker, or one
+        that does not answer a health check now (to explain an error seen elsewhere; it
+        then stops the dispatch as a failed supervision does)."""
+        if self._health_error is None and self._health is not None:
+            found = self._health.diagnose()
+            if found is not None:
+                self._on_health_failure(found)
+        return self._health_error
+
     def callback(self) -> RolloutCallback:
         """The rollout engine handed to train ranks."""
         return RolloutCallback(
@@ -161,6 +238,9 @@ class RolloutController:
         )
 
     def destroy(self) -> None:
+        if self._health is not None:
+            self._health.stop()
+            self._health = None
         self._stopping = True
         with self._lock:
             self._lock.notify_all()
@@ -178,9 +258,30 @@ class RolloutController:
         return self.scheduler.call_engine(worker.id, method, *args, engine_name=worker.id, **kwargs)
 
     def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        with _executor(len(self.workers)) as pool:
-            futures = [pool.submit(self._call, w, method, *args, **kwargs) for w in self.workers]
+        return self._watched([(self._call, (w, method, *args), kwargs) for w in self.workers])
+
+    def _watched(self, calls: list[tuple[Callable[..., Any], tuple, dict[str, Any]]]) -> list[Any]:
+        """Run ``calls`` concurrently; results in order.
+
+        A dead server or worker raises its health error at once instead of waiting for
+        calls that may never return (a weight update to a frozen server).
+        """
+        self.check_health()
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(calls)))
+        try:
+            futures = [pool.submit(fn, *args, **kwargs) for fn, args, kwargs in calls]
+            pending = set(futures)
+            while pending:
+                done, pending = concurrent.futures.wait(
+                    pending, timeout=WATCH_PERIOD, return_when=concurrent.futures.FIRST_EXCEPTION
+                )
+                for future in done:
+                    if future.exception() is not None:
+                        raise future.exception()
+                self.check_health()
             return [f.result() for f in futures]
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
 
     # --- versions, pausing ---
 
@@ -205,24 +306,33 @@ class RolloutController:
             self._lock.notify_all()
 
     def pause_generation(self) -> None:
+        self._set_servers_paused(True)
         self._call_all("pause_generation")
 
     def continue_generation(self) -> None:
         self._call_all("continue_generation")
+        self._set_servers_paused(False)
+
+    def _set_servers_paused(self, paused: bool) -> None:
+        with self._quiet_lock:
+            self._servers_paused = paused
 
     def offload(self) -> None:
         """Every server releases its accelerator memory (colocation: the actor trains)."""
-        self._call_all("offload")
+        self._set_servers_paused(True)  # until continue_generation after the weight update
+        with self._quiet():
+            self._call_all("offload")
 
     def onload(self) -> None:
         """Every server takes its memory back (before the weight update)."""
-        self._call_all("onload")
+        with self._quiet():
+            self._call_all("onload")
 
     # --- weight updates forwarded from train ranks ---
 
     def _update_weights_disk(self, meta: WeightUpdateMeta) -> None:
-        futures = self._call_all("update_weights_from_disk", meta)
-        del futures
+        with self._quiet():
+            self._call_all("update_weights_from_disk", meta)
         if self.clear_checkpoint_after_load and meta.path:
             shutil.rmtree(meta.path, ignore_errors=True)
 
@@ -233,16 +343,16 @@ class RolloutController:
                 f"the weight-update group expects {meta.gen_n_servers} rollout server(s) "
                 f"(rollout.backend) but {len(self.workers)} rollout worker(s) run"
             )
-        with _executor(len(self.workers)) as pool:
-            futures = [
-                pool.submit(self._call, w, "init_weights_update_group", meta, first_server_index=i)
-                for i, w in enumerate(self.workers)
-            ]
-            for future in futures:
-                future.result()
+        calls = [
+            (self._call, (w, "init_weights_update_group", meta), {"first_server_index": i})
+            for i, w in enumerate(self.workers)
+        ]
+        with self._quiet():
+            self._watched(calls)
 
     def _update_weights_xccl(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> None:
-        self._call_all("update_weights_from_distributed", meta, param_specs)
+        with self._quiet():
+            self._call_all("update_weights_from_distributed", meta, param_specs)
 
     # --- proxies for agent workflows ---
 
@@ -277,13 +387,18 @@ class RolloutController:
             return self._pending.popleft()
         if self._source is None:
             return None
-        data, submit_kwargs = next(self._source)
+        row_key, data, submit_kwargs = next(self._source)
         self.staleness.on_enqueue()
-        return _Task(next(self._ids), data, submit_kwargs)
+        task = _Task(next(self._ids), data, submit_kwargs, row_key=row_key)
+        if row_key is not None:
+            self._row_keys[task.task_id] = row_key
+        return task
 
     def _dispatch_loop(self) -> None:
         while not self._stopping:
             with self._lock:
+                if self._health_error is not None or self._error is not None:
+                    return  # the run is failing: launch nothing more
                 task = None
                 if not self._paused and self.staleness.get_capacity() > 0:
                     task = self._next_task()
@@ -294,6 +409,13 @@ class RolloutController:
                 task.worker = self.workers[next(self._rr) % len(self.workers)]
                 task.started = time.monotonic()
                 self._inflight[task.task_id] = task
+                if self.config.enable_rollout_tracing:
+                    logger.info(
+                        "dispatched task %d (row %s) to %s",
+                        task.task_id,
+                        task.row_key,
+                        task.worker.id,
+                    )
             kwargs = dict(task.submit_kwargs)
             if self.proxy_addrs and kwargs.get("proxy_addr"):
                 # pairing: the proxy in front of this worker's server
@@ -351,10 +473,20 @@ class RolloutController:
                 return
             if trajectory is None:
                 self.staleness.on_reject()
+                self._settle_rows([task_id])  # never trained, and not retried on resume
             else:
                 self.staleness.on_accept()
+            if self.config.enable_rollout_tracing:
+                outcome = "rejected" if trajectory is None else "accepted"
+                logger.info("task %d %s", task_id, outcome)
             self._results[task_id] = trajectory
             self._lock.notify_all()
+
+    def _settle_rows(self, task_ids: list[int]) -> None:
+        """The rows of these tasks are done with (trained or rejected); caller holds the lock."""
+        keys = [self._row_keys.pop(t) for t in task_ids if t in self._row_keys]
+        if keys and self._settle is not None:
+            self._settle(keys)
 
     def wait(self, count: int, timeout: float | None = None) -> list[Any]:
         """``count`` accepted trajectories, in task order (rejected ones are skipped)."""
@@ -362,6 +494,7 @@ class RolloutController:
         accepted: list[tuple[int, Any]] = []
         with self._lock:
             while True:
+                self.check_health()
                 if self._error is not None:
                     raise RuntimeError(f"rollout dispatch stopped: {self._error}") from self._error
                 for task_id in sorted(self._results):
@@ -377,6 +510,7 @@ class RolloutController:
             extra = accepted[count:]
             for task_id, trajectory in extra:  # kept for the next call
                 self._results[task_id] = trajectory
+            self._settle_rows([task_id for task_id, _ in accepted[:count]])  # handed to training
         return [trajectory for _, trajectory in accepted[:count]]
 
     def prepare_batch(
@@ -391,7 +525,12 @@ class RolloutController:
         proxy_addr: str | None = None,
         batch_size: int | None = None,
     ) -> list[Any]:
-        """Keep drawing rows while the bound allows; return one batch of accepted groups."""
+        """Keep drawing rows while the bound allows; return one batch of accepted groups.
+
+        With a dataloader that tracks rows (``tracked()`` and ``settle(keys)``, as
+        :class:`~areal.trainer.dataloader.StatefulDataLoader` has), every row drawn stays
+        outstanding until its group is returned here or rejected.
+        """
         if self._source is None:
             kwargs = dict(
                 workflow=workflow,
@@ -402,7 +541,13 @@ class RolloutController:
                 drop_incomplete_group=drop_incomplete_group,
                 proxy_addr=proxy_addr,
             )
-            self._source = ((row, kwargs) for batch in _cycle(dataloader) for row in batch)
+            tracked = getattr(dataloader, "tracked", None)
+            if callable(tracked):
+                self._settle = dataloader.settle
+                keyed = (item for batch in _cycle(tracked) for item in batch)
+            else:
+                keyed = ((None, row) for batch in _cycle(lambda: iter(dataloader)) for row in batch)
+            self._source = ((key, row, kwargs) for key, row in keyed)
             with self._lock:
                 self._lock.notify_all()
         return self.wait(batch_size or self.config.consumer_batch_size)
@@ -430,11 +575,11 @@ def _scheduler_token(scheduler: Scheduler) -> str:
     return token
 
 
-def _cycle(dataloader: Iterable[list[Any]]) -> Iterator[list[Any]]:
-    """Epoch after epoch (``set_epoch`` is the dataloader's business)."""
+def _cycle(batches: Callable[[], Iterable[list[Any]]]) -> Iterator[list[Any]]:
+    """Epoch after epoch of ``batches()`` (``set_epoch`` is the dataloader's business)."""
     while True:
         empty = True
-        for batch in dataloader:
+        for batch in batches():
             empty = False
             yield batch
         if empty:
@@ -445,14 +590,3 @@ def _run(awaitable: Any) -> Any:
     import asyncio
 
     return asyncio.run(awaitable) if asyncio.iscoroutine(awaitable) else awaitable
-
-
-@contextlib.contextmanager
-def _executor(n: int) -> Iterator[Any]:
-    import concurrent.futures
-
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, n))
-    try:
-        yield pool
-    finally:
-        pool.shutdown(wait=True)

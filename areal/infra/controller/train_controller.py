@@ -168,12 +168,12 @@ class TrainController:
         """
         if not self.workers:
             return []
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.workers)) as pool:
-            futures = [
-                pool.submit(self._call, w, method, *args, rpc_meta=rpc_meta, **kwargs)
-                for w in self.workers
-            ]
-            return [f.result() for f in futures]
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.workers))
+        futures = [
+            pool.submit(self._call, w, method, *args, rpc_meta=rpc_meta, **kwargs)
+            for w in self.workers
+        ]
+        return _all_or_first_failure(pool, futures)
 
     def _from_head(self, method: str) -> Any:
         """``method`` on every rank (it may be a collective), DP rank 0's answer."""
@@ -210,21 +210,21 @@ class TrainController:
         one result per group of ``batch``, in its order.
         """
         parts = self._partition(batch)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=len(self.workers)) as pool:
-            futures = []
-            for worker, dp_rank in zip(self.workers, self._dp_rank_of, strict=True):
-                if dp_rank is None:  # receives its head's arguments inside the worker
-                    futures.append(pool.submit(self._call, worker, method, rpc_meta=BROADCAST))
-                    continue
-                part = parts[dp_rank]
-                share = concat_padded_tensors([batch[i] for i in part])
-                extra = dict(kwargs)
-                if method == "compute_advantages":
-                    extra["group_sizes"] = [batch[i]["attention_mask"].shape[0] for i in part]
-                futures.append(
-                    pool.submit(self._call, worker, method, share, rpc_meta=BROADCAST, **extra)
-                )
-            by_worker = [f.result() for f in futures]
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.workers))
+        futures = []
+        for worker, dp_rank in zip(self.workers, self._dp_rank_of, strict=True):
+            if dp_rank is None:  # receives its head's arguments inside the worker
+                futures.append(pool.submit(self._call, worker, method, rpc_meta=BROADCAST))
+                continue
+            part = parts[dp_rank]
+            share = concat_padded_tensors([batch[i] for i in part])
+            extra = dict(kwargs)
+            if method == "compute_advantages":
+                extra["group_sizes"] = [batch[i]["attention_mask"].shape[0] for i in part]
+            futures.append(
+                pool.submit(self._call, worker, method, share, rpc_meta=BROADCAST, **extra)
+            )
+        by_worker = _all_or_first_failure(pool, futures)
         results = [by_worker[i] for i in self._head_index]
         if method not in SPLIT_BACK:
             return results
@@ -290,6 +290,25 @@ class TrainController:
 
     def should_compute_prox_logp(self) -> bool:
         return self.config.should_compute_prox_logp()
+
+
+def _all_or_first_failure(
+    pool: concurrent.futures.ThreadPoolExecutor, futures: list[concurrent.futures.Future]
+) -> list[Any]:
+    """Every result, or the first failure at once.
+
+    When one rank fails, the others may wait in a collective that can no longer complete;
+    waiting for them would hang the controller, so the error is raised without them (the
+    run's teardown stops their workers).
+    """
+    try:
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        for future in futures:
+            if future.done() and future.exception() is not None:
+                raise future.exception()
+        return [f.result() for f in futures]
+    finally:
+        pool.shutdown(wait=False)
 
 
 def _without_tokenizer(meta: SaveLoadMeta) -> SaveLoadMeta:

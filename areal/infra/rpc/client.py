@@ -1,10 +1,14 @@
 """HTTP client of one worker's RPC server, with the retry rules of §10.1.
 
-Every request but ``/health`` sends the experiment token in ``X-Areal-Token`` (from the
-``token`` argument, else ``$AREAL_RPC_TOKEN``). Engine calls are retried on timeouts,
-connection errors, 503, and 500s whose error mentions "timeout", with exponential
-backoff; ``max_retries`` is the total number of attempts. Before each attempt an
-optional ``liveness_check`` runs, so a dead worker surfaces as the scheduler's
+Every request, ``/health`` included, is signed with the experiment token (the ``token``
+argument, else ``$AREAL_RPC_TOKEN``) as :mod:`areal.infra.rpc.auth` describes; the token
+itself is never sent. Every answer must carry the worker's signature for that request:
+one that does not (a process that is not a worker of this run, or a relay) raises
+:class:`~areal.infra.scheduler.exceptions.RPCAuthenticationError` and is never acted
+on. Engine calls are retried on timeouts, connection errors, 503, and 500s whose error
+mentions "timeout", with exponential backoff (each attempt signed afresh);
+``max_retries`` is the total number of attempts. Before each attempt an optional
+``liveness_check`` runs, so a dead worker surfaces as the scheduler's
 ``WorkerFailedError`` instead of a string of connection errors.
 """
 
@@ -18,7 +22,8 @@ from typing import Any
 
 import httpx
 
-from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
+from areal.api.scheduler_api import RPC_TOKEN_ENV
+from areal.infra.rpc.auth import RequestSigner, SignatureError
 from areal.infra.rpc.serialization import (
     deserialize_value,
     json_dumps,
@@ -30,6 +35,7 @@ from areal.infra.scheduler.exceptions import (
     EngineCreationError,
     EngineImportError,
     PortAllocationError,
+    RPCAuthenticationError,
     RPCConnectionError,
     SchedulerError,
     WorkerConfigurationError,
@@ -73,15 +79,25 @@ class RPCClient:
         self.address = address
         self.worker_id = worker_id or address
         self.base_url = f"http://{address}"
-        self._token = reveal(token) if token else os.environ.get(RPC_TOKEN_ENV, "")
+        token = reveal(token) if token else os.environ.get(RPC_TOKEN_ENV, "")
+        if not token:
+            raise RPCAuthenticationError(
+                f"worker {self.worker_id}: no RPC token to sign requests with (pass token= "
+                f"or set ${RPC_TOKEN_ENV})"
+            )
+        self._auth = RequestSigner(token)
         self._liveness_check = liveness_check
-        self._client = httpx.Client(base_url=self.base_url, headers=self._headers())
+        self._client = self._new_client(httpx.Client)
 
-    def _headers(self) -> dict[str, str]:
+    def _new_client(self, cls: type) -> Any:
         headers = {"content-type": "application/json"}
-        if self._token:
-            headers[RPC_TOKEN_HEADER] = self._token
-        return headers
+        return cls(base_url=self.base_url, headers=headers, auth=self._auth)
+
+    def _unauthenticated(self, path: str, error: SignatureError) -> RPCAuthenticationError:
+        return RPCAuthenticationError(
+            f"{path} on worker {self.worker_id} at {self.address}: {error}; the process "
+            "there did not prove it holds this run's RPC token, so nothing it says is used"
+        )
 
     def close(self) -> None:
         self._client.close()
@@ -100,6 +116,13 @@ class RPCClient:
             response = self._client.get("/health", timeout=timeout)
         except httpx.HTTPError as e:
             raise RPCConnectionError(f"worker {self.worker_id} at {self.address}: {e}") from e
+        except SignatureError as e:
+            raise self._unauthenticated("/health", e) from None
+        if response.status_code == 401:
+            raise RPCAuthenticationError(
+                f"worker {self.worker_id} at {self.address} refused our signature: "
+                f"{_error_text(response)}"
+            )
         if response.status_code != 200:
             raise RPCConnectionError(
                 f"worker {self.worker_id} health check: HTTP {response.status_code}"
@@ -153,6 +176,8 @@ class RPCClient:
             response = self._client.post(path, content=json_dumps(body), timeout=timeout)
         except httpx.HTTPError as e:
             raise RPCConnectionError(f"{path} on worker {self.worker_id}: {e}") from e
+        except SignatureError as e:
+            raise self._unauthenticated(path, e) from None
         return self._control_result(path, response, error)
 
     async def _async_control(
@@ -163,10 +188,12 @@ class RPCClient:
         timeout: float = CONTROL_TIMEOUT,
     ) -> dict[str, Any]:
         try:
-            async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers()) as c:
+            async with self._new_client(httpx.AsyncClient) as c:
                 response = await c.post(path, content=json_dumps(body), timeout=timeout)
         except httpx.HTTPError as e:
             raise RPCConnectionError(f"{path} on worker {self.worker_id}: {e}") from e
+        except SignatureError as e:
+            raise self._unauthenticated(path, e) from None
         return self._control_result(path, response, error)
 
     def _control_result(
@@ -174,8 +201,9 @@ class RPCClient:
     ) -> dict[str, Any]:
         if response.status_code == 401:
             raise error(
-                f"{path} on worker {self.worker_id}: the worker rejected the RPC token "
-                f"(the controller and workers must share ${RPC_TOKEN_ENV})"
+                f"{path} on worker {self.worker_id}: the worker refused our signature: "
+                f"{_error_text(response)} (the controller and workers must share "
+                f"${RPC_TOKEN_ENV} and agree on the time)"
             )
         if response.status_code != 200:
             raise error(
@@ -219,6 +247,8 @@ class RPCClient:
             )
         except httpx.HTTPError as e:
             raise RPCConnectionError(f"/create_engine on worker {self.worker_id}: {e}") from e
+        except SignatureError as e:
+            raise self._unauthenticated("/create_engine", e) from None
         return self._create_result(engine, response)
 
     async def async_create_engine(
@@ -227,12 +257,14 @@ class RPCClient:
         name = engine_name or self.worker_id
         body = self._create_body(engine, name, args, kwargs)
         try:
-            async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers()) as c:
+            async with self._new_client(httpx.AsyncClient) as c:
                 response = await c.post(
                     "/create_engine", content=body, timeout=CREATE_ENGINE_TIMEOUT
                 )
         except httpx.HTTPError as e:
             raise RPCConnectionError(f"/create_engine on worker {self.worker_id}: {e}") from e
+        except SignatureError as e:
+            raise self._unauthenticated("/create_engine", e) from None
         return self._create_result(engine, response)
 
     def _call_body(
@@ -287,6 +319,8 @@ class RPCClient:
             except (httpx.TimeoutException, httpx.TransportError) as e:
                 if last:
                     self._fail_unreachable(method, e, attempt)
+            except SignatureError as e:
+                raise self._unauthenticated("/call", e) from None
             else:
                 done, result = self._call_outcome(method, response, attempt, last)
                 if done:
@@ -307,7 +341,7 @@ class RPCClient:
     ) -> Any:
         body = self._call_body(method, engine_name, args, kwargs, rpc_meta)
         attempts = max(1, max_retries)
-        async with httpx.AsyncClient(base_url=self.base_url, headers=self._headers()) as client:
+        async with self._new_client(httpx.AsyncClient) as client:
             for attempt in range(1, attempts + 1):
                 if self._liveness_check is not None:
                     self._liveness_check()
@@ -317,6 +351,8 @@ class RPCClient:
                 except (httpx.TimeoutException, httpx.TransportError) as e:
                     if last:
                         self._fail_unreachable(method, e, attempt)
+                except SignatureError as e:
+                    raise self._unauthenticated("/call", e) from None
                 else:
                     done, result = self._call_outcome(method, response, attempt, last)
                     if done:

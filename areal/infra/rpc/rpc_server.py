@@ -4,14 +4,22 @@ Run as ``python -m areal.infra.rpc.rpc_server --role actor --worker-index 0 ...`
 server registers ``"<ip>:<port>"`` under :func:`areal.utils.names.worker` so the
 controller can find it, then serves:
 
-* ``GET /health`` (the only endpoint without a token),
+* ``GET /health``: to an unsigned request only ``{"status": "healthy"}``; to a signed
+  one the full body (forked children, engines), signed,
 * ``POST /alloc_ports``, ``/fork``, ``/kill_forked_worker``, ``/set_env``, ``/configure``,
 * ``POST /create_engine`` and ``POST /call`` (engine construction and method calls).
 
-Every other request must carry the experiment's token in ``X-Areal-Token``; the
-expected value comes from ``AREAL_RPC_TOKEN`` in the environment (never from argv), and
-the server refuses to start without it. Bodies are JSON; arguments and results use the
-typed envelopes of :mod:`areal.infra.rpc.serialization`; errors are ``{"error": ...}``.
+Every request but that unsigned ``/health`` must be signed with the experiment's token
+(:mod:`areal.infra.rpc.auth`: HMAC-SHA256 over method, host, path, timestamp, nonce and
+body digest; ±60 s replay window, each nonce once) and every answer to it is signed
+back; the token itself never travels. It comes from ``AREAL_RPC_TOKEN`` in the
+environment (never from argv), and the server refuses to start without it. Limits
+(:mod:`areal.infra.rpc.guard`): request bodies up to ``--max-body-bytes`` (default
+1 GiB, ``$AREAL_RPC_MAX_BODY_BYTES``; 413 beyond), request line and headers within
+``--header-timeout`` seconds (15) and 64 KiB, at most ``--body-timeout`` seconds (60)
+between body chunks (408), idle keep-alive connections closed after
+``--idle-timeout`` seconds (30). Bodies are JSON; arguments and results use the typed
+envelopes of :mod:`areal.infra.rpc.serialization`; errors are ``{"error": ...}``.
 
 Engine work never runs on the event loop: every construction and call goes through one
 dedicated engine thread, one at a time, which keeps collective operations (NCCL) in a
@@ -41,7 +49,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from areal.api.engine_api import InferenceEngine, TrainEngine
-from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
+from areal.api.scheduler_api import RPC_TOKEN_ENV
+from areal.infra.rpc.auth import max_clock_skew
+from areal.infra.rpc.guard import (
+    AUTH_SCOPE_KEY,
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_MAX_BODY_BYTES,
+    SignedRequestGuard,
+    add_limit_arguments,
+    check_limit_arguments,
+    guarded_http_protocol,
+)
 from areal.infra.rpc.processes import LoggedProcess
 from areal.infra.rpc.serialization import (
     SerializationError,
@@ -50,7 +68,6 @@ from areal.infra.rpc.serialization import (
     json_loads,
     serialize_value,
 )
-from areal.proxy.keys import same_secret
 from areal.utils import logging, name_resolve, names
 from areal.utils.dynamic_import import import_from_string
 from areal.utils.lifeline import exit_with_parent
@@ -58,7 +75,7 @@ from areal.utils.network import find_free_ports, gethostip
 from areal.utils.paths import get_log_path
 from areal.utils.seeding import set_random_seed
 
-__all__ = ["EngineThread", "TokenGuard", "WorkerServer", "main", "parse_args"]
+__all__ = ["EngineThread", "WorkerServer", "main", "parse_args"]
 
 logger = logging.getLogger("rpc.server")
 
@@ -105,34 +122,6 @@ class EngineThread:
             else:
                 future.set_result(result)
         self._loop.close()
-
-
-class TokenGuard:
-    """ASGI wrapper: 401 for any request but ``/health`` without the right token."""
-
-    def __init__(self, app: Any, token: str):
-        self.app = app
-        self._token = token
-        self._header = RPC_TOKEN_HEADER.lower().encode("latin-1")
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] == "http" and scope["path"] != "/health":
-            presented = b""
-            for name, value in scope["headers"]:
-                if name == self._header:
-                    presented = value
-            if not same_secret(presented.decode("latin-1"), self._token):
-                body = json_dumps({"error": f"missing or wrong {RPC_TOKEN_HEADER} header"})
-                await send(
-                    {
-                        "type": "http.response.start",
-                        "status": 401,
-                        "headers": [(b"content-type", b"application/json")],
-                    }
-                )
-                await send({"type": "http.response.body", "body": body})
-                return
-        await self.app(scope, receive, send)
 
 
 class _BadRequestError(Exception):
@@ -223,6 +212,9 @@ class WorkerServer:
         token: str,
         host_ip: str,
         fileroot: str,
+        *,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
     ):
         self.experiment_name = experiment_name
         self.trial_name = trial_name
@@ -248,7 +240,13 @@ class WorkerServer:
             Route("/call", self.call, methods=["POST"]),
         ]
         app = Starlette(routes=routes, lifespan=self._lifespan)
-        self.app = TokenGuard(app, token)
+        self.app = SignedRequestGuard(
+            app,
+            token,
+            open_paths={"/health"},
+            max_body_bytes=max_body_bytes,
+            body_timeout=body_timeout,
+        )
 
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Any):
@@ -258,6 +256,8 @@ class WorkerServer:
     # --- endpoints ---
 
     async def health(self, request: Request) -> Response:
+        if not request.scope.get(AUTH_SCOPE_KEY):
+            return _json({"status": "healthy"})  # a liveness probe learns nothing more
         alive = sum(1 for p in self.forked.values() if p.poll() is None)
         engines = sorted(self.engines)
         return _json(
@@ -517,7 +517,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--etcd3-addr", default="localhost:2379", help="Unused (nfs only).")
     parser.add_argument("--fileroot", default="/tmp/areal", help="Logs of forked workers.")
     parser.add_argument("--log-level", "--werkzeug-log-level", dest="log_level", default="WARNING")
+    add_limit_arguments(parser)
     args = parser.parse_args(argv)
+    check_limit_arguments(parser, args)
     if os.environ.get("SLURM_PROCID"):
         args.worker_index = int(os.environ["SLURM_PROCID"])
     if args.worker_index < 0:
@@ -545,6 +547,10 @@ def main(argv: list[str] | None = None) -> None:
     if not token:
         sys.exit(f"rpc_server: ${RPC_TOKEN_ENV} is empty; the scheduler must set the token")
     logging.register_secret(token)
+    try:
+        max_clock_skew()
+    except ValueError as e:
+        sys.exit(f"rpc_server: {e}")
     name_resolve.reconfigure(
         SimpleNamespace(type=args.name_resolve_type, nfs_record_root=args.nfs_record_root)
     )
@@ -558,6 +564,8 @@ def main(argv: list[str] | None = None) -> None:
         token,
         ip,
         args.fileroot,
+        max_body_bytes=args.max_body_bytes,
+        body_timeout=args.body_timeout,
     )
     config = uvicorn.Config(
         server_state.app,
@@ -565,6 +573,8 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=5,
+        http=guarded_http_protocol(args.header_timeout),
+        timeout_keep_alive=args.idle_timeout,
     )
     server = uvicorn.Server(config)
     # uvicorn re-raises SIGTERM/SIGINT to the previous handlers after shutting down; a
@@ -588,6 +598,9 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         asyncio.run(serve())
+    except name_resolve.UnsafeNameRecordError as e:
+        logger.error("Not registering worker %s/%d: %s", args.role, args.worker_index, e)
+        sys.exit(1)
     finally:
         server_state.shutdown()  # no-op when the lifespan already ran it
         name_resolve.reset()

@@ -8,6 +8,7 @@ __all__ = [
     "EngineImportError",
     "GPUAllocationError",
     "PortAllocationError",
+    "RPCAuthenticationError",
     "RPCConnectionError",
     "SchedulerError",
     "WorkerConfigurationError",
@@ -53,6 +54,14 @@ class WorkerConfigurationError(SchedulerError):
 
 class RPCConnectionError(SchedulerError):
     """A worker's RPC server could not be reached."""
+
+
+class RPCAuthenticationError(SchedulerError):
+    """A peer refused our signed request, or answered without proving it holds the token.
+
+    Not an :class:`RPCConnectionError`: waiting does not fix it, so discovery and
+    retries stop at once.
+    """
 
 
 class EngineCreationError(SchedulerError):

@@ -27,6 +27,7 @@ from typing import Any
 from areal.api.cli_args import SchedulingSpec
 from areal.api.config.scheduling import RPC_SERVER_CMD
 from areal.api.scheduler_api import RPC_TOKEN_ENV
+from areal.inference.auth import API_KEY_ENV
 from areal.infra.rpc.processes import (
     LoggedProcess,
     kill_process_tree,
@@ -156,6 +157,7 @@ class LocalScheduler(RPCWorkerScheduler):
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
         env[RPC_TOKEN_ENV] = self._token.reveal()
+        env[API_KEY_ENV] = self._inference_key.reveal()
         return env
 
     # --- GPUs ---

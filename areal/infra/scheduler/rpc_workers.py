@@ -7,7 +7,10 @@ and behaves the same on every backend (§10.1):
 * roles and worker ids (``<role>/<index>``), colocation as a fork or as an alias,
 * discovery: each worker registers ``"<ip>:<port>"`` under
   :func:`areal.utils.names.worker`; the scheduler health-checks it, reserves its extra
-  ports and sends ``/configure``,
+  ports and sends ``/configure``. A record another user could have written (see
+  :class:`~areal.utils.name_resolve.NfsNameRecordRepository`) is refused before any
+  request goes to its address, and a worker counts as found only once its signed
+  ``/health`` answer verifies (:mod:`areal.infra.rpc.auth`),
 * forking one new worker per target worker through the target's ``/fork``,
 * engine creation and calls (with the liveness check of the backend),
 * teardown: engines destroyed over RPC, dependents first, and an ``atexit`` and
@@ -15,7 +18,8 @@ and behaves the same on every backend (§10.1):
 
 The experiment's RPC token (``$AREAL_RPC_TOKEN`` if the controller has one, otherwise a
 fresh random one) is held as a :class:`~areal.utils.secrets.SecretStr`; how it reaches
-the workers is the backend's business, but never through a command line.
+the workers is the backend's business, but never through a command line, and it never
+travels in a request: requests and answers are signed with it instead.
 """
 
 from __future__ import annotations
@@ -35,10 +39,12 @@ from typing import Any, Literal
 
 from areal.api.cli_args import SchedulingSpec
 from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Scheduler, Worker
+from areal.inference.auth import API_KEY_ENV
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.processes import LoggedProcess
 from areal.infra.rpc.serialization import SerializationError
 from areal.infra.scheduler.exceptions import (
+    RPCAuthenticationError,
     RPCConnectionError,
     SchedulerError,
     WorkerConfigurationError,
@@ -138,12 +144,24 @@ class RPCWorkerScheduler(Scheduler):
         self.destroy_timeout = destroy_timeout
         self._token = SecretStr(os.environ.get(RPC_TOKEN_ENV) or secrets.token_urlsafe(32))
         logging.register_secret(self._token)
+        # one inference-server API key per run: every rollout worker's servers and proxies
+        # share it (the backend passes it like the token); controller-side probes read it
+        # from :attr:`inference_api_key`
+        self._inference_key = SecretStr(
+            os.environ.get(API_KEY_ENV, "").strip() or secrets.token_urlsafe(32)
+        )
+        logging.register_secret(self._inference_key)
         self._roles: dict[str, WorkerRole] = {}
         self._handles: dict[str, WorkerHandle] = {}
         self._lock = threading.RLock()
 
         name_resolve.reconfigure(self._name_resolve)
-        name_resolve.clear_subtree(names.trial_root(self.experiment_name, self.trial_name))
+        trial_root = names.trial_root(self.experiment_name, self.trial_name)
+        try:
+            name_resolve.clear_subtree(trial_root)
+            name_resolve.claim_subtree(trial_root)  # ours (0700) before any worker registers
+        except name_resolve.UnsafeNameRecordError as e:
+            raise WorkerConfigurationError(str(e)) from None
         self.log_dir = get_log_path(self.fileroot, self.experiment_name, self.trial_name)
         _teardown.register(self)
 
@@ -192,6 +210,11 @@ class RPCWorkerScheduler(Scheduler):
     @property
     def n_gpus_per_node(self) -> int:
         return self.config.cluster.n_gpus_per_node
+
+    @property
+    def inference_api_key(self) -> SecretStr:
+        """The run's inference-server API key (``$AREAL_INFERENCE_API_KEY`` on workers)."""
+        return self._inference_key
 
     @property
     def rpc_token(self) -> SecretStr:
@@ -322,12 +345,18 @@ class RPCWorkerScheduler(Scheduler):
             address = name_resolve.get(key)
         except name_resolve.NameEntryNotFoundError:
             return False
+        except name_resolve.UnsafeNameRecordError as e:
+            # never contacted: a planted record must not even receive a signed request
+            raise WorkerConfigurationError(f"worker {h.id}: {e}") from None
         client = self._make_client(h, address)
         try:
-            client.health(timeout=2.0)
+            client.health(timeout=2.0)  # signed both ways: only a real worker passes
         except RPCConnectionError:
             client.close()
             return False
+        except RPCAuthenticationError:
+            client.close()
+            raise
         h.client = client
         return True
 

@@ -40,6 +40,7 @@ from typing import Any
 from areal.api.cli_args import SchedulingSpec
 from areal.api.config.scheduling import RPC_SERVER_CMD
 from areal.api.scheduler_api import RPC_TOKEN_ENV
+from areal.inference.auth import API_KEY_ENV
 from areal.infra.rpc.processes import read_log_tail
 from areal.infra.scheduler.exceptions import (
     SchedulerError,
@@ -193,7 +194,11 @@ class SlurmScheduler(RPCWorkerScheduler):
             enable_offload=self.enable_offload,
             user=get_user(),
         )
-        secrets = {RPC_TOKEN_ENV: self._token.reveal(), **split_env(env, spec.container_type)[2]}
+        secrets = {
+            RPC_TOKEN_ENV: self._token.reveal(),
+            API_KEY_ENV: self._inference_key.reveal(),
+            **split_env(env, spec.container_type)[2],
+        }
         secrets_file = self._write_secrets(role, secrets)
         job = BatchJob(
             role=role,
@@ -423,7 +428,7 @@ class SlurmScheduler(RPCWorkerScheduler):
         credentials (``SECRET_ENV_VARS``: Arena tokens, the proxy admin key...) are sourced
         by the workers from ``$ARENA_CREDENTIALS_FILE`` (``additional_bash_cmds``).
         """
-        withheld = {RPC_TOKEN_ENV, PARENT_PID_ENV, *SECRET_ENV_VARS}
+        withheld = {RPC_TOKEN_ENV, API_KEY_ENV, PARENT_PID_ENV, *SECRET_ENV_VARS}
         env = {k: v for k, v in os.environ.items() if k not in withheld}
         try:
             result = subprocess.run(

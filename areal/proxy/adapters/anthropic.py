@@ -130,13 +130,19 @@ def _assistant_message(content: Any) -> dict:
     return message
 
 
-def _tools(tools: list[dict] | None) -> list[dict] | None:
+def _tools(tools: Any) -> list[dict] | None:
     if not tools:
         return None
+    if not isinstance(tools, list):
+        raise AnthropicRequestError("tools must be a list of tool definitions")
     converted = []
-    for tool in tools:
+    for index, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise AnthropicRequestError(f"tools[{index}] must be an object")
         if "input_schema" not in tool:
             continue  # server tools (web search, ...) have no client-side schema
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise AnthropicRequestError(f"tools[{index}].name must be a non-empty string")
         fn = {"name": tool["name"], "parameters": tool["input_schema"]}
         if tool.get("description"):
             fn["description"] = tool["description"]
@@ -160,7 +166,12 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
         system = body.get("system")
         if system:
             messages.append({"role": "system", "content": _block_text(system)})
-        for message in body.get("messages") or []:
+        history = body.get("messages")
+        if not isinstance(history, list):
+            raise AnthropicRequestError("messages must be a list of messages")
+        for index, message in enumerate(history):
+            if not isinstance(message, dict):
+                raise AnthropicRequestError(f"messages[{index}] must be an object")
             role = message.get("role")
             if role == "user":
                 messages.extend(_user_messages(message.get("content")))
@@ -180,8 +191,13 @@ def messages_to_chat(body: dict[str, Any]) -> dict[str, Any]:
     for key in ("temperature", "top_p"):
         if body.get(key) is not None:
             chat[key] = body[key]
-    if body.get("stop_sequences"):
-        chat["stop"] = list(body["stop_sequences"])
+    stop = body.get("stop_sequences")
+    if stop is not None and (
+        not isinstance(stop, list) or not all(isinstance(item, str) for item in stop)
+    ):
+        raise AnthropicRequestError("stop_sequences must be a list of strings")
+    if stop:
+        chat["stop"] = list(stop)
     tools = _tools(body.get("tools"))
     if tools:
         chat["tools"] = tools

@@ -29,6 +29,8 @@ from areal.proxy.adapters.responses import (
     response_stream_events,
     responses_to_chat,
 )
+from areal.proxy.errors import InvalidRequestError
+from areal.proxy.validation import check_chat_shape, check_sampling
 
 __all__ = [
     "PROTOCOLS",
@@ -45,7 +47,7 @@ PROTOCOLS = ("chat_completions", "responses", "anthropic")
 SSE_HEADERS = {"Cache-Control": "no-cache", "Connection": "keep-alive", "X-Accel-Buffering": "no"}
 
 
-class ProtocolRequestError(ValueError):
+class ProtocolRequestError(InvalidRequestError):
     """A request that cannot be translated to chat completions (HTTP 400)."""
 
 
@@ -64,20 +66,33 @@ class Translated:
 
 
 def to_chat(protocol: str, body: dict[str, Any]) -> Translated:
-    if protocol == "chat_completions":
-        return Translated(protocol, body, body)
-    if protocol == "responses":
-        try:
+    """The chat-completions form of a request, after checking it (400 naming the field).
+
+    Sampling fields are checked under the protocol's own names, the translated request's
+    shape under chat-completions names; any other translation failure is the request's
+    fault too (a wrong type or a missing key), never a server error.
+    """
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
+    try:
+        check_sampling(protocol, body)
+        if protocol == "chat_completions":
+            translated = Translated(protocol, body, body)
+        elif protocol == "responses":
             chat, custom = responses_to_chat(body)
-        except (ResponsesRequestError, KeyError, TypeError) as e:
-            raise ProtocolRequestError(f"cannot translate the Responses request: {e}") from None
-        return Translated(protocol, body, chat, custom)
-    if protocol == "anthropic":
-        try:
-            return Translated(protocol, body, messages_to_chat(body))
-        except AnthropicRequestError as e:
-            raise ProtocolRequestError(str(e)) from None
-    raise ValueError(f"unknown protocol {protocol!r}; expected one of {PROTOCOLS}")
+            translated = Translated(protocol, body, chat, custom)
+        else:
+            translated = Translated(protocol, body, messages_to_chat(body))
+        check_chat_shape(translated.chat)
+    except InvalidRequestError as e:
+        raise ProtocolRequestError(str(e), e.param) from None
+    except (ResponsesRequestError, AnthropicRequestError) as e:
+        raise ProtocolRequestError(str(e)) from None
+    except (KeyError, TypeError, AttributeError, ValueError, IndexError) as e:
+        what = "Responses" if protocol == "responses" else "Messages"
+        detail = f"missing field {e}" if isinstance(e, KeyError) else str(e)
+        raise ProtocolRequestError(f"malformed {what} request: {detail}") from None
+    return translated
 
 
 def from_chat(request: Translated, completion: dict[str, Any]) -> dict[str, Any]:
@@ -109,8 +124,17 @@ def sse_chunks(events: Iterable[tuple[str | None, Any]]) -> Iterator[bytes]:
         yield b"data: [DONE]\n\n"
 
 
-def error_body(protocol: str, message: str, kind: str, **extra: Any) -> dict[str, Any]:
-    """An error in the caller's protocol (Anthropic's shape differs from OpenAI's)."""
+def error_body(
+    protocol: str, message: str, kind: str, param: str | None = None, **extra: Any
+) -> dict[str, Any]:
+    """An error in the caller's protocol (Anthropic's shape differs from OpenAI's).
+
+    ``param`` names the request field at fault (OpenAI's ``error.param``; Anthropic's
+    errors carry it in the same place).
+    """
+    inner: dict[str, Any] = {"message": message, "type": kind}
+    if param is not None:
+        inner["param"] = param
     if protocol == "anthropic":
-        return {"type": "error", "error": {"type": kind, "message": message}, **extra}
-    return {"error": {"message": message, "type": kind}, **extra}
+        return {"type": "error", "error": inner, **extra}
+    return {"error": inner, **extra}

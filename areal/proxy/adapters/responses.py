@@ -65,8 +65,11 @@ def _text_of(content: Any) -> list[str]:
 def responses_to_chat(body: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     """A chat request for a Responses request, and the names of its custom tools."""
     messages: list[dict] = []
-    if body.get("instructions"):
-        messages.append({"role": "system", "content": str(body["instructions"])})
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise ResponsesRequestError("instructions must be a string")
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
     items = body.get("input")
     if isinstance(items, str):
         items = [{"type": "message", "role": "user", "content": items}]

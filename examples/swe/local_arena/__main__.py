@@ -4,19 +4,37 @@ The API token is read from ``--token-file`` (created with a fresh token, readabl
 owner only, when the file does not exist; default ``<db>.token``). It is never printed:
 point the client at it with ``export ARENA_OPENAPI_TOKEN=$(cat <file>)``. The LLM gateway
 accepts the same token (so ``ARENA_LLM_API_KEY`` may be set to it) and any key in
-``--llm-key-file``.
+``--llm-key-file``. Both files are read stripped of surrounding whitespace.
+
+Limits: ``--max-body-bytes`` (default 16 MiB; larger bodies get 413), ``--header-timeout``
+(default 10 s for a request's headers), ``--task-timeout`` (at most a day),
+``--max-concurrent-tasks`` (1 to 1024); fault settings are bounded too (see ``faults.py``).
+On SIGTERM or SIGINT the server stops promptly: running tasks are cancelled (recorded as
+interrupted) and their child processes killed at once, requests held by an injected
+latency or a slow upstream are answered 503, other in-flight requests get up to
+``GRACEFUL_SHUTDOWN_S`` seconds; if the process still runs ``HARD_STOP_S`` seconds after
+the signal, it kills the children again and exits with status 128 + the signal number.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
+import threading
+import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
+from areal.utils.serving import GRACEFUL_SHUTDOWN_S
 from examples.swe.local_arena.faults import ERROR_KINDS, FaultConfig, FaultError
 
 PROG = "python -m examples.swe.local_arena"
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+MAX_HEADER_TIMEOUT_S = 300.0
+HARD_STOP_S = GRACEFUL_SHUTDOWN_S + 5.0
 
 
 def read_or_create_token(path: Path) -> str:
@@ -83,6 +101,19 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--task-timeout", type=float, default=600.0, help="seconds per task")
     s.add_argument("--max-concurrent-tasks", type=int, default=64)
     s.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=None,
+        help="largest request body accepted; larger ones get 413 (default 16 MiB)",
+    )
+    s.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT_S,
+        help="seconds a request's headers may take before the connection is closed "
+        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
+    )
+    s.add_argument(
         "--error-rate",
         action="append",
         default=[],
@@ -109,14 +140,72 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+def _check_flags(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    timeout = args.header_timeout
+    if not (math.isfinite(timeout) and 0 < timeout <= MAX_HEADER_TIMEOUT_S):
+        raise ValueError(
+            f"--header-timeout must be in (0, {MAX_HEADER_TIMEOUT_S:g}] seconds, got {timeout:g}"
+        )
+
+
+def _serve(app: Any, args: argparse.Namespace) -> None:
     import uvicorn
 
+    from examples.swe.local_arena.limits import header_deadline_protocol
+
+    class LocalArenaServer(uvicorn.Server):
+        """uvicorn's server, plus a prompt stop of the local Arena on the first signal."""
+
+        watchdog: threading.Thread | None = None
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            app.state.arena.request_stop()
+            if self.watchdog is None:
+                self.watchdog = threading.Thread(
+                    target=_hard_stop, args=(app, sig), name="local-arena-hard-stop", daemon=True
+                )
+                self.watchdog.start()
+
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        http=header_deadline_protocol(args.header_timeout),
+    )
+    LocalArenaServer(config).run()
+
+
+def _hard_stop(app: Any, sig: int) -> None:
+    """The last resort of a stop that did not finish: kill the children, exit at once."""
+    time.sleep(HARD_STOP_S)
+    killed = app.state.arena.runner.kill_children()
+    print(
+        f"{PROG}: still running {HARD_STOP_S:g}s after signal {sig}; killed {killed} child "
+        "process group(s) and exiting",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(128 + sig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+
     from examples.swe.local_arena.catalog import DEFAULT_CATALOG, load_catalog
-    from examples.swe.local_arena.server import LocalArenaConfig, create_app
+    from examples.swe.local_arena.server import (
+        DEFAULT_MAX_BODY_BYTES,
+        LocalArenaConfig,
+        create_app,
+    )
 
     try:
+        _check_flags(args)
         catalog = load_catalog(args.catalog or DEFAULT_CATALOG)
         faults = fault_settings(args, catalog.faults)
         token_file = args.token_file or args.db.with_name(args.db.name + ".token")
@@ -133,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
             max_concurrent_tasks=args.max_concurrent_tasks,
             faults=faults,
             envelope=args.envelope,
+            max_body_bytes=(
+                DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+            ),
         )
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -142,16 +234,7 @@ def main(argv: list[str] | None = None) -> None:
         f"LLM gateway at http://{args.host}:{args.port}/api)",
         file=sys.stderr,
     )
-    from areal.utils.serving import GRACEFUL_SHUTDOWN_S
-
-    uvicorn.run(
-        create_app(config),
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
+    _serve(create_app(config), args)
 
 
 if __name__ == "__main__":

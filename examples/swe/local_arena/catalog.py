@@ -31,7 +31,7 @@ Schema (every section optional; unknown keys are rejected)::
             prompt: What is 2 + 2?    # required, non-empty
             grading: {answer: "4"}    # required mapping, checked by the stream's grader
             tags: [op:add]            # optional list of strings
-    faults: {}                        # optional mapping, passed through untouched
+    faults: {}                        # optional fault settings; values bounded (faults.py)
 
 Everything is checked at load time, including cross-references (a Stream's dataset,
 default harness and default reward) and each row's ``grading`` against the grader of every
@@ -42,6 +42,7 @@ path and what to write instead.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import json
 from collections.abc import Mapping
@@ -50,6 +51,7 @@ from typing import Any, NoReturn
 
 import yaml
 
+from examples.swe.local_arena.faults import FaultConfig, FaultError
 from examples.swe.local_arena.graders import GRADERS, validate_grading, validate_options
 from examples.swe.local_arena.types import (
     LLM_PROTOCOLS,
@@ -368,6 +370,14 @@ def load_catalog(path: str | Path) -> Catalog:
     faults = document.get("faults") or {}
     if not isinstance(faults, Mapping):
         source.fail("faults", "expected a mapping (or leave the section out)")
+    # The values of known settings are bounded here, so a catalog cannot wedge the server
+    # it configures; the section as a whole (unknown keys too) is checked when a server
+    # builds its FaultConfig from it.
+    known = {f.name for f in dataclasses.fields(FaultConfig)}
+    try:
+        FaultConfig.from_mapping({k: v for k, v in faults.items() if k in known}, "faults")
+    except FaultError as exc:
+        raise CatalogError(f"{source.location}: {exc}") from None
 
     catalog = Catalog(
         streams=streams,

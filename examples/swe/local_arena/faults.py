@@ -4,12 +4,15 @@ Settings come from the catalog's ``faults:`` section, then CLI flags, and can be
 while the server runs (``PUT /openapi/v1/local/faults``):
 
 ``error_rates``
-    per-request probabilities, applied to every ``/openapi/v1`` call before it is handled
-    (so a rejected request has no effect): ``"429"`` (rate limited), ``"500"``,
-    ``"403_marker"`` (403 whose body carries the gateway's transient-rejection marker) and
-    ``"302_fromspanner"`` (a redirect to the gateway's waiting page).
+    per-request probabilities in [0, 1] (adding up to at most 1), applied to every
+    ``/openapi/v1`` call before it is handled (so a rejected request has no effect):
+    ``"429"`` (rate limited), ``"500"``, ``"403_marker"`` (403 whose body carries the
+    gateway's transient-rejection marker) and ``"302_fromspanner"`` (a redirect to the
+    gateway's waiting page).
 ``latency_ms``
-    added to every ``/openapi/v1`` and gateway call.
+    added to every ``/openapi/v1`` and gateway call, in [0, 60000] milliseconds. The
+    fault settings endpoints (``/openapi/v1/local/...``) are never delayed, so a latency
+    can always be taken back, and a stopping server cuts every injected delay short.
 ``force_status``
     ``{data_id or stream_id: STATUS}``: tasks for that row or Stream end with the status
     (for example ``HARNESS_FAILED``, ``TIMEOUT``) without running the harness.
@@ -19,25 +22,42 @@ while the server runs (``PUT /openapi/v1/local/faults``):
     harness reports when its agent phase fails, as a real harness crash after some turns.
 ``route_ttl_seconds``
     registered LLM routes neither registered nor renewed (``PATCH``) within this many
-    seconds are garbage-collected, as real Arena does with idle routes.
+    seconds (in (0, 86400]) are garbage-collected, as real Arena does with idle routes.
 ``seed``
-    seeds the error draws, for reproducible runs.
+    seeds the error draws, for reproducible runs (an integer in [0, 2**63)).
+
+``force_status`` and ``fail_after_harness`` hold at most 10000 entries each. Every bound is
+checked when the settings are loaded (catalog, flags or ``PUT``); a :class:`FaultError`
+names the field and the allowed range.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from examples.swe.arena_results import FAILED_TASK_STATUSES, SUCCESS_TASK_STATUSES
 
-__all__ = ["ERROR_KINDS", "SPANNER_MARKER", "FaultConfig", "FaultError"]
+__all__ = [
+    "ERROR_KINDS",
+    "MAX_LATENCY_MS",
+    "MAX_ROUTE_TTL_S",
+    "MAX_TARGETS",
+    "SPANNER_MARKER",
+    "FaultConfig",
+    "FaultError",
+]
 
 SPANNER_MARKER = "spanner-http-ant-group-watch-all"
 WAITING_PAGE = "https://gateway.local-arena.invalid/waiting?fromspanner=apigwmoe_502"
 ERROR_KINDS = ("429", "500", "403_marker", "302_fromspanner")
 TERMINAL_STATUSES = SUCCESS_TASK_STATUSES | FAILED_TASK_STATUSES
+MAX_LATENCY_MS = 60_000.0  # a minute per call is slow enough for any test
+MAX_ROUTE_TTL_S = 86_400.0
+MAX_TARGETS = 10_000  # entries of force_status / fail_after_harness
+MAX_SEED = 2**63
 
 
 class FaultError(ValueError):
@@ -71,24 +91,36 @@ class FaultConfig:
             kind = str(kind)
             if kind not in ERROR_KINDS:
                 raise FaultError(f"{where}.error_rates.{kind}: not one of {list(ERROR_KINDS)}")
-            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1:
-                raise FaultError(f"{where}.error_rates.{kind}: must be a number in [0, 1]")
+            if not _number_in(rate, 0.0, 1.0):
+                raise FaultError(
+                    f"{where}.error_rates.{kind}: must be a number in [0, 1], got {_shown(rate)}"
+                )
             checked[kind] = float(rate)
         if sum(checked.values()) > 1:
             raise FaultError(f"{where}.error_rates: the rates add up to more than 1")
         forced = _statuses(raw, "force_status", where)
         after = _statuses(raw, "fail_after_harness", where)
         latency = raw.get("latency_ms", 0.0)
-        if isinstance(latency, bool) or not isinstance(latency, (int, float)) or latency < 0:
-            raise FaultError(f"{where}.latency_ms must be a number >= 0")
+        if latency is None:
+            latency = 0.0
+        if not _number_in(latency, 0.0, MAX_LATENCY_MS):
+            raise FaultError(
+                f"{where}.latency_ms must be a number of milliseconds in "
+                f"[0, {MAX_LATENCY_MS:g}], got {_shown(latency)}"
+            )
         ttl = raw.get("route_ttl_seconds")
-        if ttl is not None and (
-            isinstance(ttl, bool) or not isinstance(ttl, (int, float)) or ttl <= 0
-        ):
-            raise FaultError(f"{where}.route_ttl_seconds must be a positive number or null")
+        if ttl is not None and not (_number_in(ttl, 0.0, MAX_ROUTE_TTL_S) and ttl > 0):
+            raise FaultError(
+                f"{where}.route_ttl_seconds must be a number of seconds in "
+                f"(0, {MAX_ROUTE_TTL_S:g}] or null, got {_shown(ttl)}"
+            )
         seed = raw.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise FaultError(f"{where}.seed must be an integer or null")
+        if seed is not None and (
+            isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED
+        ):
+            raise FaultError(
+                f"{where}.seed must be an integer in [0, 2**63) or null, got {_shown(seed)}"
+            )
         return cls(checked, float(latency), forced, after, ttl, seed)
 
     def to_json(self) -> dict[str, Any]:
@@ -120,10 +152,33 @@ class FaultConfig:
         return self.fail_after_harness.get(data_id) or self.fail_after_harness.get(stream_id)
 
 
+def _shown(value: Any, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _number_in(value: Any, low: float, high: float) -> bool:
+    """Whether ``value`` is a finite real number (not a bool) in ``[low, high]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        return False
+    return math.isfinite(number) and low <= number <= high
+
+
 def _statuses(raw: dict[str, Any], key: str, where: str) -> dict[str, str]:
     """``{target: STATUS}`` of a status-forcing setting, each a terminal status."""
+    entries = raw.get(key) or {}
+    if not isinstance(entries, dict):
+        raise FaultError(f"{where}.{key} must be a mapping of data_id or stream_id to a status")
+    if len(entries) > MAX_TARGETS:
+        raise FaultError(
+            f"{where}.{key} has {len(entries)} entries; at most {MAX_TARGETS} are allowed"
+        )
     out: dict[str, str] = {}
-    for target, status in (raw.get(key) or {}).items():
+    for target, status in entries.items():
         normalized = str(status).strip().upper()
         if normalized not in TERMINAL_STATUSES:
             raise FaultError(

@@ -6,13 +6,16 @@ call to a chat-completions request (with the rollout proxy's own adapters), forw
 to the route's upstream with the route's key, passes ``X-Session-Id`` and
 ``X-Session-Token`` through unchanged, and converts the completion back (streamed when
 the harness asked for a stream). An unknown or deleted model is a 404 with an error
-body, as is a disabled route.
+body, as is a disabled route. A call still waiting for its upstream when the server
+stops is answered 503 at once, so a slow upstream cannot hold the shutdown.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 import orjson
@@ -35,6 +38,30 @@ __all__ = ["FORWARDED_HEADERS", "LLMGateway"]
 
 FORWARDED_HEADERS = ("x-session-id", "x-session-token")
 UPSTREAM_TIMEOUT = 900.0
+T = TypeVar("T")
+
+
+class _StoppingError(Exception):
+    """The server began stopping while a call waited for its upstream."""
+
+
+async def _unless_stopped(call: Awaitable[T], stopping: asyncio.Event | None) -> T:
+    """The result of ``call``, or :class:`_StoppingError` as soon as ``stopping`` is set."""
+    if stopping is None:
+        return await call
+    work = asyncio.ensure_future(call)
+    halt = asyncio.ensure_future(stopping.wait())
+    try:
+        await asyncio.wait({work, halt}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        halt.cancel()
+        if not work.done():
+            work.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await work
+    if work.cancelled():
+        raise _StoppingError
+    return work.result()
 
 
 def _json(content: Any, status: int = 200) -> Response:
@@ -44,9 +71,15 @@ def _json(content: Any, status: int = 200) -> Response:
 class LLMGateway:
     """Serves harness LLM calls; ``accepts(key)`` decides which keys may call it."""
 
-    def __init__(self, store: Store, accepts: Callable[[str], bool]):
+    def __init__(
+        self,
+        store: Store,
+        accepts: Callable[[str], bool],
+        stopping: asyncio.Event | None = None,
+    ):
         self.store = store
         self.accepts = accepts
+        self.stopping = stopping
         self.http: httpx.AsyncClient | None = None
         self.calls = 0  # forwarded calls, for tests and /health
 
@@ -102,11 +135,16 @@ class LLMGateway:
         url = f"{route.base_url.rstrip('/')}/chat/completions"
         self.calls += 1
         try:
-            upstream = await self.http.post(
-                url,
-                content=orjson.dumps(chat),
-                headers={**headers, "Content-Type": "application/json"},
+            upstream = await _unless_stopped(
+                self.http.post(
+                    url,
+                    content=orjson.dumps(chat),
+                    headers={**headers, "Content-Type": "application/json"},
+                ),
+                self.stopping,
             )
+        except _StoppingError:
+            return fail(503, "the local Arena is stopping", "api_error")
         except httpx.HTTPError as e:
             return fail(502, f"upstream of {model!r} unreachable: {type(e).__name__}", "api_error")
         if upstream.status_code >= 400:

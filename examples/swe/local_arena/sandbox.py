@@ -13,7 +13,9 @@ all of them start children through this module. What it provides:
   nothing of this process's environment reaches the child.
 * **Bounded time and no leftovers**: children start in their own session; after they exit,
   at their timeout or on cancellation the whole process group is killed, so nothing they
-  started in the background outlives them.
+  started in the background outlives them. A :class:`ProcessGroups` made current with
+  :func:`owned_by` (the task runner does, per task) also records every group started in
+  its context, threads included, so that a stopping server kills them all at once.
 * **Bounded output**: :func:`run_captured` keeps only a head and a tail of the output;
   :func:`run_to_files` writes it to files, which the caller's ``RLIMIT_FSIZE`` caps.
 
@@ -29,12 +31,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import os
 import select
 import shutil
 import signal
 import subprocess
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -43,9 +48,11 @@ __all__ = [
     "SOCKET_GUARD",
     "SYSTEM_PATH",
     "Capture",
+    "ProcessGroups",
     "ProcessResult",
     "kill_process_group",
     "minimal_env",
+    "owned_by",
     "run_captured",
     "run_to_files",
     "search_path",
@@ -118,6 +125,72 @@ def kill_process_group(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
+# --- ownership: every group a server started, for a prompt stop ---
+
+
+class ProcessGroups:
+    """The process groups started on behalf of one owner (a local Arena's task runner).
+
+    :meth:`kill_all` SIGKILLs every recorded group and closes the set: a child started
+    afterwards (a grader thread that was about to spawn) is killed as soon as it starts.
+    """
+
+    def __init__(self) -> None:
+        self._pids: set[int] = set()
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._pids)
+
+    def add(self, pid: int) -> bool:
+        """Record the group of ``pid``; ``False`` (and nothing recorded) once closed."""
+        with self._lock:
+            if self.closed:
+                return False
+            self._pids.add(pid)
+            return True
+
+    def discard(self, pid: int) -> None:
+        with self._lock:
+            self._pids.discard(pid)
+
+    def kill_all(self) -> int:
+        """Kill every recorded group and refuse new ones; returns how many were killed."""
+        with self._lock:
+            self.closed = True
+            pids, self._pids = list(self._pids), set()
+        for pid in pids:
+            kill_process_group(pid)
+        return len(pids)
+
+
+_OWNER: contextvars.ContextVar[ProcessGroups | None] = contextvars.ContextVar(
+    "local_arena_process_groups", default=None
+)
+
+
+def owned_by(groups: ProcessGroups) -> None:
+    """Record the children started from the current context (and contexts copied from it:
+    asyncio tasks, ``asyncio.to_thread``) in ``groups``."""
+    _OWNER.set(groups)
+
+
+@contextlib.contextmanager
+def _owned(pid: int) -> Iterator[None]:
+    """Record ``pid``'s group with the current owner for the block (killed at once if the
+    owner has already stopped)."""
+    owner = _OWNER.get()
+    if owner is not None and not owner.add(pid):
+        kill_process_group(pid)
+    try:
+        yield
+    finally:
+        if owner is not None:
+            owner.discard(pid)
+
+
 # --- synchronous runner (the grader runs in a worker thread) ---
 
 
@@ -162,9 +235,10 @@ def run_to_files(
         stderr=stderr,
         start_new_session=True,
     )
-    code = process.wait() if _wait_for_exit(process, timeout) else None
-    kill_process_group(process.pid)
-    process.wait()
+    with _owned(process.pid):
+        code = process.wait() if _wait_for_exit(process, timeout) else None
+        kill_process_group(process.pid)
+        process.wait()
     return code
 
 
@@ -238,17 +312,18 @@ async def run_captured(
 
     drains = asyncio.gather(drain(proc.stdout, out), drain(proc.stderr, err))
     timed_out = False
-    try:
-        await asyncio.wait_for(_exited(proc), timeout)
-        # Background children may hold the pipes open; they get a moment, then the kill.
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(asyncio.shield(drains), PIPE_GRACE_S)
-    except TimeoutError:
-        timed_out = True
-    finally:
-        await _kill_group(proc)
-        with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-            await asyncio.wait_for(drains, PIPE_GRACE_S)
+    with _owned(proc.pid):
+        try:
+            await asyncio.wait_for(_exited(proc), timeout)
+            # Background children may hold the pipes open; they get a moment, then the kill.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(drains), PIPE_GRACE_S)
+        except TimeoutError:
+            timed_out = True
+        finally:
+            await _kill_group(proc)
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(drains, PIPE_GRACE_S)
     return ProcessResult(proc.returncode, out.text(), err.text(), timed_out)
 
 

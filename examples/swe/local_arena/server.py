@@ -24,6 +24,14 @@ now), ``GET /health`` (no auth). The LLM gateway lives at ``/api`` (:mod:`.gatew
 ``envelope="wrapped"`` answers E2, E5, E7-E10 inside ``{"data": ...}`` (E2 as
 ``data.stream``, E10 as ``data.items``), as some Arena deployments do; ``"plain"``
 answers the bare objects (E10 as a ``data`` list). The client accepts both.
+
+Limits: a request body over ``max_body_bytes`` (default 16 MiB, ``--max-body-bytes``) is
+answered 413 before it is read whole, whether it declares a ``Content-Length`` or is
+chunked; the process entry point also closes connections whose request headers take
+longer than ``--header-timeout`` seconds. Keys in launch and route bodies are stripped of
+surrounding whitespace. When the server stops, running tasks are cancelled and their
+child processes killed, and requests held by an injected latency or a slow upstream are
+answered 503 at once.
 """
 
 from __future__ import annotations
@@ -31,22 +39,24 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import math
 import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from areal.proxy.keys import same_secret
 from areal.utils import logging
 from examples.swe.local_arena.faults import SPANNER_MARKER, WAITING_PAGE, FaultConfig
 from examples.swe.local_arena.gateway import LLMGateway
+from examples.swe.local_arena.limits import BodySizeLimit
 from examples.swe.local_arena.store import Route, Store
 from examples.swe.local_arena.tasks import Launch, TaskRunner
 from examples.swe.local_arena.types import Catalog, Ref
@@ -58,6 +68,10 @@ logger = logging.getLogger("local_arena.server")
 MAX_PAGE = 1000
 ENVELOPES = ("plain", "wrapped")
 ROUTE_PREFIX = "stream-areal-"
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # harness calls carry whole conversations
+BODY_BYTES_RANGE = (1024, 1024**3)
+MAX_TASK_TIMEOUT_S = 86_400.0
+MAX_CONCURRENT_TASKS = 1024
 
 
 @dataclass
@@ -67,19 +81,46 @@ class LocalArenaConfig:
     token: str
     llm_api_keys: tuple[str, ...] = ()  # keys the gateway accepts besides the token
     artifacts: Path | None = None  # default: next to the database
-    task_timeout: float = 600.0
-    max_concurrent_tasks: int = 64
+    task_timeout: float = 600.0  # seconds per task, in (0, 86400]
+    max_concurrent_tasks: int = 64  # in [1, 1024]
     faults: FaultConfig = field(default_factory=FaultConfig)
     envelope: str = "plain"
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
 
     def __post_init__(self) -> None:
-        if not self.token.strip():
+        self.token = self.token.strip()
+        self.llm_api_keys = tuple(k.strip() for k in self.llm_api_keys if k.strip())
+        if not self.token:
             raise ValueError("the local Arena needs a non-empty API token")
         if self.envelope not in ENVELOPES:
             raise ValueError(f"envelope must be one of {ENVELOPES}, got {self.envelope!r}")
+        timeout = self.task_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+            raise ValueError(f"task_timeout (--task-timeout) must be a number, got {timeout!r}")
+        if not (math.isfinite(timeout) and 0 < timeout <= MAX_TASK_TIMEOUT_S):
+            raise ValueError(
+                f"task_timeout (--task-timeout) must be in (0, {MAX_TASK_TIMEOUT_S:g}] "
+                f"seconds, got {timeout:g}"
+            )
+        _check_int(
+            "max_concurrent_tasks (--max-concurrent-tasks)",
+            self.max_concurrent_tasks,
+            1,
+            MAX_CONCURRENT_TASKS,
+        )
+        _check_int("max_body_bytes (--max-body-bytes)", self.max_body_bytes, *BODY_BYTES_RANGE)
+
+
+def _check_int(what: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
 
 
 # --- request bodies ---
+
+
+# A key read from a file keeps its newline; stripped, it works and is redacted as sent.
+Key = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
 
 
 class RouteEndpoint(BaseModel):
@@ -87,7 +128,7 @@ class RouteEndpoint(BaseModel):
     endpoint_id: str = Field(min_length=1)
     upstream_model: str = Field(min_length=1)
     base_url: str = Field(min_length=1, pattern=r"^https?://")
-    api_key: str = Field(min_length=1)
+    api_key: Key
     inbound_protos: list[str] = Field(default_factory=lambda: ["chat"])
     enabled: bool = True
 
@@ -105,7 +146,7 @@ class LaunchBody(BaseModel):
     data_id: str = Field(min_length=1)
     model_name: str = Field(min_length=1)
     base_url: str = Field(min_length=1, pattern=r"^https?://")
-    api_key: str = Field(min_length=1)
+    api_key: Key
     envs: dict[str, str] = Field(default_factory=dict)
     session_id: str = ""
     harness: str = ""
@@ -123,6 +164,10 @@ def json_response(content: Any, status: int = 200, headers: dict | None = None) 
 
 def error_response(status: int, message: str, code: str, headers: dict | None = None) -> Response:
     return json_response({"error": {"code": code, "message": message}}, status, headers)
+
+
+def stopping_response() -> Response:
+    return error_response(503, "the local Arena is stopping", "stopping", {"Connection": "close"})
 
 
 async def read_object(request: Request) -> dict[str, Any]:
@@ -181,8 +226,10 @@ class LocalArena:
             config.task_timeout,
             config.max_concurrent_tasks,
         )
-        self.gateway = LLMGateway(self.store, self.accepts_llm_key)
+        self.stopping = asyncio.Event()  # set when the server stops: delays end at once
+        self.gateway = LLMGateway(self.store, self.accepts_llm_key, self.stopping)
         self._gc_task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         logging.register_secret(config.token)
         for key in config.llm_api_keys:
             logging.register_secret(key)
@@ -199,17 +246,40 @@ class LocalArena:
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        self._loop = asyncio.get_running_loop()
         await self.gateway.start()
         self._gc_task = asyncio.create_task(self._collect_routes())
         try:
             yield
         finally:
+            self._begin_stop()
             self._gc_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._gc_task
             await self.runner.close()
             await self.gateway.close()
             self.store.close()
+
+    def request_stop(self) -> None:
+        """Begin stopping; safe from any thread or a signal handler (see :meth:`_begin_stop`)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._begin_stop)
+
+    def _begin_stop(self) -> None:
+        """Cancel the running tasks (recorded as interrupted) and kill their children, then
+        end every injected delay and held gateway call with a 503."""
+        if not self.stopping.is_set():
+            self.runner.stop()
+            self.stopping.set()
+
+    async def injected_delay(self) -> bool:
+        """Sleep the injected latency; ``False`` when the server began stopping meanwhile."""
+        delay = self.faults.latency_ms / 1000
+        if delay > 0 and not self.stopping.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.stopping.wait(), delay)
+        return not self.stopping.is_set()
 
     async def _collect_routes(self) -> None:
         while True:
@@ -231,12 +301,11 @@ class LocalArena:
             return error_response(401, "missing bearer token (Authorization: Bearer ...)", "auth")
         if not same_secret(token.strip(), self.config.token):
             return error_response(403, "this token may not use the Arena API", "forbidden")
-        faults = self.faults
-        if faults.latency_ms:
-            await asyncio.sleep(faults.latency_ms / 1000)
         if request.url.path.startswith("/openapi/v1/local/"):
-            return None  # fault settings stay reachable whatever the faults
-        kind = faults.draw_error()
+            return None  # fault settings stay reachable, undelayed, whatever the faults
+        if not await self.injected_delay():
+            return stopping_response()
+        kind = self.faults.draw_error()
         if kind == "429":
             return error_response(429, "rate limited (injected fault)", "rate_limited")
         if kind == "500":
@@ -358,6 +427,8 @@ class LocalArena:
     # --- tasks (E7, E8, E10) ---
 
     async def launch(self, stream_id: str, request: Request) -> Response:
+        if self.stopping.is_set():
+            return stopping_response()
         self.known_stream(stream_id)
         body = await read_model(request, LaunchBody)
         stream = self.catalog.streams[stream_id]
@@ -436,9 +507,11 @@ def create_app(config: LocalArenaConfig) -> FastAPI:
             rejection = await arena.guard(request)
             if rejection is not None:
                 return rejection
-        elif request.url.path.startswith("/api") and arena.faults.latency_ms:
-            await asyncio.sleep(arena.faults.latency_ms / 1000)
+        elif request.url.path.startswith("/api") and not await arena.injected_delay():
+            return stopping_response()
         return await call_next(request)
+
+    app.add_middleware(BodySizeLimit, limit=config.max_body_bytes)
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, exc: HTTPError) -> Response:

@@ -17,6 +17,11 @@ fault injection             forced status       ``error`` naming the fault
 
 Artifacts (the answer and the transcript) go to ``{artifacts}/tasks/{task_id}/``, whose
 ``file://`` URI is the result's ``artifacts_uri``.
+
+:meth:`TaskRunner.stop` (server shutdown) cancels the running tasks, which are then
+recorded as interrupted, and kills every child process they started (harness tools and
+CLIs, grader programs, also those run from worker threads), so a stop never waits for a
+harness or grader timeout.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from areal.utils import logging
+from examples.swe.local_arena import sandbox
 from examples.swe.local_arena.faults import FaultConfig
 from examples.swe.local_arena.store import Store, TaskRecord, utc_now
 from examples.swe.local_arena.types import (
@@ -49,6 +55,7 @@ __all__ = ["Launch", "TaskRunner"]
 logger = logging.getLogger("local_arena.tasks")
 
 RAW_TEXT_LIMIT = 4000
+CLOSE_WAIT_S = 3.0  # how long close() waits for cancelled tasks to unwind
 # What a Claude Code harness reports when its agent phase fails after running (see
 # harnesses/cli.py); the client treats it as the model's failure when turns were recorded.
 AGENT_PHASE_ERROR = (
@@ -79,12 +86,17 @@ def _clip(text: str | None, limit: int = RAW_TEXT_LIMIT) -> str | None:
 
 
 def _redact(text: str, launch: Launch) -> str:
-    """``text`` without the launch key or any secret-looking env value (or header line)."""
+    """``text`` without the launch key or any secret-looking env value (or header line).
+
+    Values are compared stripped of surrounding whitespace: a key sent with a trailing
+    newline shows up bare (or escaped) in error texts.
+    """
     secrets = [launch.api_key]
     for name, value in launch.envs.items():
         if any(word in name.upper() for word in ("KEY", "TOKEN", "SECRET", "HEADERS")):
-            secrets += [value, *(line.partition(":")[2].strip() for line in value.splitlines())]
-    for secret in sorted({s for s in secrets if len(s) >= 4}, key=len, reverse=True):
+            secrets += [value, *(line.partition(":")[2] for line in value.splitlines())]
+    stripped = {s.strip() for s in secrets}
+    for secret in sorted({s for s in stripped if len(s) >= 4}, key=len, reverse=True):
         text = text.replace(secret, "[redacted]")
     return text
 
@@ -104,6 +116,7 @@ class TaskRunner:
         self.task_timeout = task_timeout
         self.slots = asyncio.Semaphore(max_concurrent)
         self.running: dict[str, asyncio.Task] = {}
+        self.children = sandbox.ProcessGroups()  # every child process a task started
 
     def launch(self, launch: Launch) -> TaskRecord:
         task_id = f"task-{uuid.uuid4().hex}"
@@ -133,15 +146,38 @@ class TaskRunner:
         task.add_done_callback(lambda _: self.running.pop(task_id, None))
         return record
 
-    async def close(self) -> None:
-        """Cancel running tasks; they are recorded as interrupted (``SETUP_FAILED``)."""
-        tasks = list(self.running.values())
-        for task in tasks:
+    def kill_children(self) -> int:
+        """SIGKILL every child process of every task, now and from now on (thread-safe)."""
+        return self.children.kill_all()
+
+    def stop(self) -> int:
+        """Cancel every running task, then kill their children (in the loop's thread).
+
+        Cancelling first matters: a task whose harness or grader died under it would
+        otherwise record that as its outcome; cancelled, it is recorded as interrupted.
+        Returns how many child process groups were killed.
+        """
+        for task in list(self.running.values()):
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        return self.kill_children()
+
+    async def close(self) -> None:
+        """Stop every task (see :meth:`stop`); they are recorded as interrupted
+        (``SETUP_FAILED``). Returns within about :data:`CLOSE_WAIT_S` seconds."""
+        tasks = list(self.running.values())
+        killed = self.stop()
+        if tasks:
+            _, stuck = await asyncio.wait(tasks, timeout=CLOSE_WAIT_S)
+            if stuck or killed:
+                logger.warning(
+                    "stopping: killed %d child process group(s); %d task(s) still unwinding",
+                    killed,
+                    len(stuck),
+                )
         self.store.fail_interrupted()
 
     async def _run(self, record: TaskRecord, launch: Launch) -> None:
+        sandbox.owned_by(self.children)  # this task's context and the threads it starts
         async with self.slots:
             self.store.set_status(record.task_id, "RUNNING")
             status, score, raw = await self._outcome(record, launch)

@@ -49,6 +49,7 @@ def running_local_arena(
     host: str = "127.0.0.1",
     port: int | None = None,
     db_name: str = "arena.db",
+    max_body_bytes: int | None = None,
 ) -> Iterator[LocalArenaHandle]:
     """Serve a local Arena whose database lives in ``directory``; yields its handle.
 
@@ -67,6 +68,7 @@ def running_local_arena(
         max_concurrent_tasks=max_concurrent_tasks,
         faults=FaultConfig.from_mapping(merged),
         envelope=envelope,
+        **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
     )
     app = create_app(config)
     with serve_in_thread(app, host, port) as url:

@@ -396,3 +396,12 @@ def test_xccl_with_colocation_on_gpus_is_refused_but_not_on_cpu():
         "actor.weight_update_mode: disk",
     )
     assert refused({**colocated, "cluster.n_gpus_per_node": 0}) == []
+
+
+def test_min_new_tokens_without_a_server_tokenizer_is_refused():
+    changes = {"sglang.skip_tokenizer_init": True, "gconfig.min_new_tokens": 4}
+    problems = dict(refused(changes))
+    assert "skip_tokenizer_init is true" in problems["gconfig.min_new_tokens"]
+    # stop strings are fine: the client applies them for such a server
+    assert refused({"sglang.skip_tokenizer_init": True, "gconfig.stop": ["</answer>"]}) == []
+    assert refused({"gconfig.min_new_tokens": 4}) == []

@@ -482,15 +482,14 @@ async def test_recovered_and_rejected_failures_are_audited_once(fake, tmp_path):
 
 
 async def test_symlinked_dump_dir_is_refused(fake, tmp_path):
-    # W17
+    # W17, made strict: a symlinked audit dir fails at start (no record would be kept)
     target = tmp_path / "target"
     target.mkdir()
     (tmp_path / "link").symlink_to(target, target_is_directory=True)
     for dump in (tmp_path / "link", tmp_path / "link" / "below"):
-        agent = make_agent(fake, arena_result_dump_dir=str(dump))
-        await agent.persist_episode_result(dict(ROW), await agent.run(dict(ROW), **run_kwargs()))
+        with pytest.raises(ValueError, match=r"econfig\.arena_result_dump_dir .*symbolic link"):
+            make_agent(fake, arena_result_dump_dir=str(dump))
         assert list(target.iterdir()) == []
-        assert metrics()["rollout/arena/result_dump_success"] == 0.0
 
 
 async def test_symlinked_shard_is_refused(fake, tmp_path):

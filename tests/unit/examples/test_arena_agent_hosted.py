@@ -7,6 +7,7 @@ Everything runs over loopback HTTP: the proxy (scripted engine), a fake Arena wh
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import pytest
@@ -113,7 +114,8 @@ async def test_hosted_success_exports_the_transformed_reward(tokenizer, tmp_path
     assert interaction.reward == pytest.approx(0.075)
     assert interaction.metadata["arena_task_id"] == "task-1"
     assert interaction.metadata["arena_status"] == "DONE"
-    assert interaction.metadata["session_id"] == "5-0"
+    # <task id>-<n>.<nonce of this proxy start>: never reused by a restart
+    assert re.fullmatch(r"5-0\.[0-9a-f]{8}", interaction.metadata["session_id"])
     stats = metrics()
     assert stats["rollout/reward"] == pytest.approx(0.075)  # recorded by the proxy workflow
     assert stats["rollout/swe/reward"] == pytest.approx(0.075)
@@ -122,7 +124,8 @@ async def test_hosted_success_exports_the_transformed_reward(tokenizer, tmp_path
     assert stats["rollout/arena/call_success"] == 1.0
     (record,) = shard_records(tmp_path)
     assert record["training_score"] == pytest.approx(0.075) and record["arena_score"] == 0.75
-    assert record["session_id"] == "5-0" and record["raw"] == {"passed": 3}
+    assert re.fullmatch(r"5-0\.[0-9a-f]{8}", record["session_id"])
+    assert record["raw"] == {"passed": 3}
 
 
 async def test_hosted_model_failure_trains_with_zero(tokenizer, tmp_path):

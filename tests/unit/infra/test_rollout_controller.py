@@ -70,6 +70,7 @@ def _controller(scheduler: FakeScheduler) -> RolloutController:
         consumer_batch_size=2,
         max_head_offpolicyness=0,
         max_concurrent_rollouts=2,
+        health_check_interval=0,  # the fake server address never answers a health check
     )
     controller = RolloutController(config, scheduler)
     controller.initialize(1, SchedulingSpec(), server_args={})

@@ -16,7 +16,8 @@ import httpx
 import pytest
 import torch
 
-from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
+from areal.api.scheduler_api import RPC_TOKEN_ENV
+from areal.infra.rpc.auth import NONCE_HEADER, SIGNATURE_HEADER, sign_response, signed_headers
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.processes import process_alive
 from areal.infra.rpc.serialization import json_dumps
@@ -54,8 +55,13 @@ class RunningWorker:
         return RPCClient(self.address, token=token, worker_id="actor/0")
 
     def post(self, path: str, body: dict, token: str | None = TOKEN) -> httpx.Response:
-        headers = {RPC_TOKEN_HEADER: token} if token is not None else {}
-        return httpx.post(f"{self.url}{path}", content=json_dumps(body), headers=headers)
+        """POST signed with ``token`` (unsigned when it is None or empty)."""
+        return post_raw(f"{self.url}{path}", json_dumps(body), token)
+
+
+def post_raw(url: str, content: bytes, token: str | None = TOKEN) -> httpx.Response:
+    headers = signed_headers(token, "POST", url, content) if token else {}
+    return httpx.post(url, content=content, headers=headers)
 
 
 def worker_cmd(root: Path, role: str = "actor", index: int = 0) -> list[str]:
@@ -132,8 +138,11 @@ def echo(worker: RunningWorker) -> str:
 # --- auth and health ---
 
 
-def test_health_needs_no_token(worker):
-    body = httpx.get(f"{worker.url}/health").json()
+def test_health_needs_no_token_but_tells_an_unsigned_caller_nothing_more(worker):
+    response = httpx.get(f"{worker.url}/health")
+    assert response.json() == {"status": "healthy"}
+    assert SIGNATURE_HEADER not in response.headers
+    body = worker.client().health()  # signed, and the signed answer verified
     assert body["status"] == "healthy"
     assert {"forked_children", "engine_count", "engines"} <= set(body)
 
@@ -261,7 +270,7 @@ def test_call_errors(worker, echo):
     assert worker.post("/call", {"engine_name": echo}).status_code == 400
     bad_args = {"method": "echo", "engine_name": echo, "args": {"__areal_type__": "pickle"}}
     assert worker.post("/call", bad_args).status_code == 400
-    raw = httpx.post(f"{worker.url}/call", content=b"{not json", headers={RPC_TOKEN_HEADER: TOKEN})
+    raw = post_raw(f"{worker.url}/call", b"{not json")
     assert raw.status_code == 400
     response = worker.post("/call", {"method": "fail", "engine_name": echo, "args": ["boom"]})
     assert response.status_code == 500
@@ -349,27 +358,39 @@ def test_sigterm_destroys_engines_and_kills_forked_children(tmp_path):
 class ScriptedCallServer:
     """Answers successive ``/call`` requests with the scripted (status, body) pairs."""
 
-    def __init__(self, script: list[tuple[int, dict]]):
+    def __init__(self, script: list[tuple[int, dict]], token: str = "tok"):
         self.script = list(script)
+        self.token = token
         self.calls = 0
-        self.tokens: list[str] = []
+        self.headers: list[dict[bytes, bytes]] = []
+
+    @property
+    def nonces(self) -> list[str]:
+        return [h.get(NONCE_HEADER.lower().encode(), b"").decode() for h in self.headers]
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return
         while (await receive()).get("more_body"):
             pass
-        self.tokens.append(dict(scope["headers"]).get(b"x-areal-token", b"").decode())
+        headers = dict(scope["headers"])
+        self.headers.append(headers)
+        nonce = headers.get(NONCE_HEADER.lower().encode(), b"").decode()
         status, body = self.script[min(self.calls, len(self.script) - 1)]
         self.calls += 1
+        raw = json_dumps(body)
+        signature = sign_response(self.token, status, nonce, raw).encode()
         await send(
             {
                 "type": "http.response.start",
                 "status": status,
-                "headers": [(b"content-type", b"application/json")],
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (SIGNATURE_HEADER.lower().encode(), signature),
+                ],
             }
         )
-        await send({"type": "http.response.body", "body": json_dumps(body)})
+        await send({"type": "http.response.body", "body": raw})
 
 
 OK = (200, {"status": "success", "result": 5})
@@ -388,7 +409,8 @@ def test_client_retries_transient_failures(script, expected_calls):
         client = RPCClient(url.removeprefix("http://"), token="tok", worker_id="w/0")
         assert client.call_engine("x", retry_delay=0.01) == 5
     assert peer.calls == expected_calls
-    assert peer.tokens == ["tok"] * expected_calls
+    assert len(set(peer.nonces)) == expected_calls  # each attempt signed afresh
+    assert not any(b"x-areal-token" in h for h in peer.headers)
 
 
 def test_client_gives_up_after_max_retries_and_keeps_the_server_error():
@@ -427,10 +449,9 @@ def test_client_retries_connection_errors_then_raises(unused_port):
 
 def test_client_token_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv(RPC_TOKEN_ENV, "from-env")
-    peer = ScriptedCallServer([OK])
+    peer = ScriptedCallServer([OK], token="from-env")  # answers verify only with that token
     with serve_in_thread(peer) as url:
-        RPCClient(url.removeprefix("http://")).call_engine("x")
-    assert peer.tokens == ["from-env"]
+        assert RPCClient(url.removeprefix("http://")).call_engine("x") == 5
 
 
 @pytest.fixture

@@ -213,3 +213,25 @@ def test_an_inconsistent_layout_is_refused_at_initialize(answers):
     ctl = TrainController(ENGINE, None, ScriptedLayouts(answers))
     with pytest.raises(RuntimeError, match="inconsistent data-parallel layout"):
         ctl.initialize(len(answers), SchedulingSpec(), FinetuneSpec(1, 8, 8))
+
+
+def test_a_failing_rank_fails_the_call_without_waiting_for_the_others():
+    """One rank fails; its peers would wait in a collective forever: raise at once."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class Scheduler:
+        def call_engine(self, worker_id, method, *args, **kwargs):
+            if worker_id == "actor/0":
+                raise RuntimeError("rank 0 failed in update_weights")
+            release.wait(60)  # a peer stuck in the collective rank 0 never joins
+
+    controller = TrainController("engine", None, Scheduler())
+    controller.workers = [Worker(f"actor/{i}", "127.0.0.1", ["1"], []) for i in range(2)]
+    begin = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 0 failed"):
+        controller.update_weights(None)
+    assert time.monotonic() - begin < 5
+    release.set()

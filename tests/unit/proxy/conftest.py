@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 from transformers import AutoTokenizer
 
 from areal.api.cli_args import InferenceEngineConfig
@@ -17,8 +20,9 @@ from areal.engine.sglang_remote import RemoteSGLangEngine
 from areal.inference.engine import GenerationEngine
 from areal.inference.server import create_app
 from areal.proxy.parsers import get_reasoning_parser, get_tool_call_parser
-from areal.proxy.server import ProxyServer
-from tests.fakes.live_server import serve
+from areal.proxy.server import ProxyServer, uvicorn_options
+from areal.utils.serving import GRACEFUL_SHUTDOWN_S
+from tests.fakes.live_server import free_port, serve
 
 ADMIN = "admin-key-for-tests-3f9"
 
@@ -107,12 +111,44 @@ def real_engine(tiny_model_dir):
 
 
 @contextmanager
-def running_proxy(engine: Any, tokenizer: Any, **options: Any) -> Iterator[tuple[str, ProxyServer]]:
+def serve_like_the_proxy(app: Any, **limits: Any) -> Iterator[str]:
+    """Serve ``app`` on loopback with the HTTP stack of ``python -m areal.proxy.server``."""
+    port = free_port()
+    config = uvicorn.Config(
+        app,
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        lifespan="auto",
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **uvicorn_options(**limits),
+    )
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            server.should_exit = True
+            raise RuntimeError(f"proxy on port {port} did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@contextmanager
+def running_proxy(
+    engine: Any, tokenizer: Any, http_limits: dict[str, Any] | None = None, **options: Any
+) -> Iterator[tuple[str, ProxyServer]]:
+    """A :class:`ProxyServer` over ``engine``, served as the real proxy process serves it."""
     options.setdefault("tool_call_parser", get_tool_call_parser("qwen25"))
     options.setdefault("reasoning_parser", get_reasoning_parser("qwen3"))
     options.setdefault("engine_max_tokens", 1800)
     server = ProxyServer(engine, tokenizer, ADMIN, **options)
-    with serve(server.app) as url:
+    with serve_like_the_proxy(server.app, **(http_limits or {})) as url:
         yield url, server
 
 

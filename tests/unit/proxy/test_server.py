@@ -123,9 +123,10 @@ def test_individual_export_and_discount(tokenizer):
 
 
 def test_session_ids_capacity_and_key_binding(tokenizer):
-    with running_proxy(ScriptedEngine(tokenizer), tokenizer) as (url, _server):
-        assert start_session(url, "17:3")[0] == "17:3-0"
-        assert start_session(url, "17:3")[0] == "17:3-1"
+    with running_proxy(ScriptedEngine(tokenizer), tokenizer, run_nonce="r1") as (url, _server):
+        # <task id>-<sessions started so far>.<run nonce>: never the same id twice
+        assert start_session(url, "17:3")[0] == "17:3-0.r1"
+        assert start_session(url, "17:3")[0] == "17:3-1.r1"
         admin = bearer(ADMIN)
         no_capacity = httpx.post(f"{url}/rl/start_session", headers=admin, json={"task_id": "x"})
         assert no_capacity.status_code == 429
@@ -143,7 +144,7 @@ def test_session_ids_capacity_and_key_binding(tokenizer):
         assert busy.status_code == 409
         httpx.post(f"{url}/rl/end_session", headers=bearer(key))
         assert (
-            start_session(url, "z", api_key=key)[0] == "z-0"
+            start_session(url, "z", api_key=key)[0] == "z-3.r1"
         )  # a finished session's key is re-bound
 
 
@@ -204,7 +205,7 @@ def test_key_scope_matrix(tokenizer):
             httpx.post(
                 f"{url}/v1/chat/completions", headers={**bearer(gateway), **good_headers}, json=CHAT
             ).status_code
-            == 401
+            == 410
         )
         export(url, mine_id)
         assert (

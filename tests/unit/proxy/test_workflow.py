@@ -32,6 +32,11 @@ async def close_clients():
     await workflow_context.close_clients()
 
 
+def first_session_id(server, task_id: str) -> str:
+    """The id of the first session a fresh proxy starts for ``task_id``."""
+    return f"{task_id}-0.{server.store.run_nonce}"
+
+
 async def chat(kwargs, content: str = "hi") -> httpx.Response:
     return await kwargs["http_client"].post(
         f"{kwargs['base_url']}/v1/chat/completions",
@@ -106,12 +111,13 @@ async def test_successful_episode_exports_with_the_reward(proxy):
         result = await workflow(agent, url).arun_episode(engine="runtime", data={"id": "d1"})
     assert len(result) == 2 and [i.reward for i in result.values()] == [0.75, 0.75]  # discount 1
     kwargs = agent.seen_kwargs
-    assert kwargs["session_id"] == "17:3-0"
+    session_id = first_session_id(server, "17:3")
+    assert kwargs["session_id"] == session_id
     assert re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}", kwargs["session_id"])
     assert kwargs["proxy_gateway_api_key"] == derive_gateway_key(ADMIN) != ADMIN
-    assert kwargs["proxy_session_token"] == derive_session_token(ADMIN, "17:3-0")
+    assert kwargs["proxy_session_token"] == derive_session_token(ADMIN, session_id)
     assert kwargs["worker_runtime"] == "runtime" and kwargs["api_key"] != ADMIN
-    assert server.store.get("17:3-0") is None  # exported and removed
+    assert server.store.get(session_id) is None  # exported and removed
     tensors = next(iter(result.values())).to_tensor_dict()
     assert tensors["rewards"].tolist() == [0.75] and tensors["loss_mask"].sum() > 0
 
@@ -145,7 +151,7 @@ async def test_agent_failure_without_hooks_is_rejected(proxy):
         await workflow(Agent(fail=RuntimeError("harness crashed")), url).arun_episode(
             None, {"id": 4}
         )
-    assert server.store.get("4-0").finished  # the session was still ended
+    assert server.store.get(first_session_id(server, "4")).finished  # still ended
 
 
 async def test_context_overflow_trains_with_zero_reward(proxy):
@@ -223,12 +229,13 @@ async def test_cancelled_episode_still_ends_its_session(proxy):
 
     with workflow_context.scoped(task_id=12):
         task = asyncio.create_task(workflow(Slow(), url).arun_episode(None, {"id": 12}))
-        while server.store.get("12-0") is None or not len(server.store.get("12-0").cache):
+        session_id = first_session_id(server, "12")
+        while server.store.get(session_id) is None or not len(server.store.get(session_id).cache):
             await asyncio.sleep(0.01)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-    assert server.store.get("12-0").finished
+    assert server.store.get(session_id).finished
 
 
 def test_agents_run_through_the_executor_with_group_normalization(proxy):

@@ -22,8 +22,10 @@ def session_headers(envs: dict[str, str]) -> dict[str, str]:
 def _secrets(run: HarnessRun) -> list[str]:
     candidates = [run.api_key, *session_headers(run.envs).values()]
     candidates += [run.envs.get(k, "") for k in ("OPENAI_API_KEY", "ANTHROPIC_API_KEY")]
-    # Longest first, so a secret that contains another is replaced whole.
-    return sorted({s for s in candidates if len(s) >= 4}, key=len, reverse=True)
+    # Stripped (a key with a trailing newline appears bare in error texts), and longest
+    # first, so a secret that contains another is replaced whole.
+    stripped = {s.strip() for s in candidates}
+    return sorted({s for s in stripped if len(s) >= 4}, key=len, reverse=True)
 
 
 def redact(text: str, run: HarnessRun) -> str:

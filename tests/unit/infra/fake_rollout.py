@@ -1,0 +1,128 @@
+"""A killable fake HTTP server and a fake scheduler for RolloutController tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from areal.api.scheduler_api import Job, Worker
+from areal.infra.rpc.auth import RequestSigner
+from areal.utils.serving import serve_in_thread
+
+__all__ = ["FakeRolloutScheduler", "FakeServer"]
+
+
+class FakeServer:
+    """Answers ``GET /health`` and ``GET /get_model_info`` with ``status`` after ``delay``
+    seconds (per path); :meth:`kill` closes its port for good."""
+
+    def __init__(self) -> None:
+        self.status: dict[str, int] = {"/health": 200, "/get_model_info": 200}
+        self.delay: dict[str, float] = {"/health": 0.0, "/get_model_info": 0.0}
+        self.hits: list[str] = []
+        app = Starlette(
+            routes=[
+                Route("/health", self._answer, methods=["GET"]),
+                Route("/get_model_info", self._answer, methods=["GET"]),
+            ]
+        )
+        self._stack = contextlib.ExitStack()
+        url = self._stack.enter_context(serve_in_thread(app))
+        self.address = url.removeprefix("http://")
+
+    async def _answer(self, request: Request) -> Response:
+        path = request.url.path
+        self.hits.append(path)
+        await asyncio.sleep(self.delay[path])
+        return JSONResponse({"status": "ok"}, status_code=self.status[path])
+
+    def kill(self) -> None:
+        self._stack.close()
+
+
+class FakeRolloutScheduler:
+    """One rollout worker whose server is ``server_addr`` and whose RPC server is
+    ``worker_addr``. A submitted task finishes after ``task_seconds`` with
+    ``outcome(data)`` (``None`` = rejected) and reports to the controller's callback
+    server, as a real worker does. While ``hold_updates`` is true, weight-update calls
+    wait until ``released`` is set (a frozen server)."""
+
+    rpc_token = "fake-token-123456"
+
+    def __init__(
+        self,
+        server_addr: str,
+        worker_addr: str,
+        outcome: Callable[[Any], Any] = lambda data: {"row": data},
+        task_seconds: float = 0.0,
+    ):
+        self.server_addr = server_addr
+        self.worker_host, self.worker_port = worker_addr.rsplit(":", 1)
+        self.outcome = outcome
+        self.task_seconds = task_seconds
+        self.submitted: list[tuple[int, float]] = []  # (task id, monotonic time)
+        self.results: dict[int, Any] = {}
+        self.hold_updates = False
+        self.released = threading.Event()
+        self.lock = threading.Lock()
+
+    def create_workers(self, job: Job) -> list[str]:
+        return [f"{job.role}/{i}" for i in range(job.replicas)]
+
+    def get_workers(self, role: str, timeout: float | None = None) -> list[Worker]:
+        return [Worker(f"{role}/0", self.worker_host, [self.worker_port])]
+
+    async def create_engine(self, worker_id: str, engine: str, *args: Any, **kwargs: Any) -> str:
+        return worker_id
+
+    def delete_workers(self, role: str | None = None) -> None:
+        pass
+
+    def call_engine(self, worker_id: str, method: str, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop("engine_name", None)
+        if method == "launch_local_server":
+            return self.server_addr
+        if method == "submit":
+            task_id = kwargs["task_id"]
+            with self.lock:
+                self.submitted.append((task_id, time.monotonic()))
+            threading.Thread(
+                target=self._run_task, args=(task_id, args[0], kwargs["callback_addr"]), daemon=True
+            ).start()
+            return task_id
+        if method == "poll_task":
+            (task_id,) = args
+            with self.lock:
+                if task_id not in self.results:
+                    return False, None
+                return True, self.results.pop(task_id)
+        if method in ("update_weights_from_disk", "pause_generation"):
+            if self.hold_updates:
+                self.released.wait()
+            return None
+        if method == "export_stats":
+            return {}
+        return None
+
+    def _run_task(self, task_id: int, data: Any, callback_addr: str) -> None:
+        time.sleep(self.task_seconds)
+        with self.lock:
+            self.results[task_id] = self.outcome(data)
+        with contextlib.suppress(httpx.HTTPError):
+            response = httpx.post(
+                callback_addr,
+                json={"task_id": task_id},
+                auth=RequestSigner(self.rpc_token),  # signed with the run's token, as workers do
+                timeout=10,
+            )
+            response.raise_for_status()
