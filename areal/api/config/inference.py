@@ -239,6 +239,11 @@ class InferenceEngineConfig(ConfigNode):
         help="Consecutive failed health checks that declare a server or worker dead and fail "
         "the run (default 3).",
     )
+    max_consecutive_rejections: int = cfg_field(
+        256,
+        help="Rollouts rejected in a row (none accepted) after which the run fails instead "
+        "of launching more (default 256; 0 turns the limit off).",
+    )
     scheduling_spec: tuple[SchedulingSpec, ...] = cfg_field(
         factory=_rollout_worker_specs, help="Rollout worker resources (1 or 2 specs)."
     )
@@ -291,6 +296,8 @@ class InferenceEngineConfig(ConfigNode):
             raise FieldError("health_check_timeout", "must be > 0 seconds")
         if self.health_check_failures < 1:
             raise FieldError("health_check_failures", "must be >= 1")
+        if self.max_consecutive_rejections < 0:
+            raise FieldError("max_consecutive_rejections", "must be >= 0 (0 turns it off)")
         if self.deterministic_sampling and self.max_head_offpolicyness > 0:
             self.warn(
                 "rollout.deterministic_sampling with max_head_offpolicyness > 0 is not "

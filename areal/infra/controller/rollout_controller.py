@@ -98,6 +98,7 @@ class RolloutController:
         self._paused = False
         self._stopping = False
         self._error: Exception | None = None
+        self._rejected_in_a_row = 0
         self._health: HealthSupervisor | None = None
         self._health_error: RolloutHealthError | None = None
         self._quiet_lock = threading.Lock()
@@ -474,13 +475,32 @@ class RolloutController:
             if trajectory is None:
                 self.staleness.on_reject()
                 self._settle_rows([task_id])  # never trained, and not retried on resume
+                self._rejected_in_a_row += 1
+                self._check_rejection_storm()
             else:
                 self.staleness.on_accept()
+                self._rejected_in_a_row = 0
             if self.config.enable_rollout_tracing:
                 outcome = "rejected" if trajectory is None else "accepted"
                 logger.info("task %d %s", task_id, outcome)
             self._results[task_id] = trajectory
             self._lock.notify_all()
+
+    def _check_rejection_storm(self) -> None:
+        """Stop the run when every recent rollout failed (caller holds the lock).
+
+        Servers that answer their health checks can still fail every generation, and an
+        Arena can fail every task; either would launch task after task with nothing to
+        train on. ``rollout.max_consecutive_rejections`` bounds that.
+        """
+        limit = self.config.max_consecutive_rejections
+        if limit and self._rejected_in_a_row >= limit and self._error is None:
+            self._error = RuntimeError(
+                f"the last {self._rejected_in_a_row} rollouts were all rejected (no accepted "
+                "trajectory): the inference servers or the environment fail every task; "
+                f"see {self.role}.log (rollout.max_consecutive_rejections={limit})"
+            )
+            logger.error("%s; dispatch stopped", self._error)
 
     def _settle_rows(self, task_ids: list[int]) -> None:
         """The rows of these tasks are done with (trained or rejected); caller holds the lock."""

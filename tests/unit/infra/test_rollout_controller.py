@@ -19,9 +19,12 @@ class FakeScheduler:
 
     rpc_token = "fake-token-123456"
 
-    def __init__(self, task_seconds: float = 0.0, fail_submit: bool = False):
+    def __init__(
+        self, task_seconds: float = 0.0, fail_submit: bool = False, reject_all: bool = False
+    ):
         self.task_seconds = task_seconds
         self.fail_submit = fail_submit
+        self.reject_all = reject_all
         self.submitted: list[int] = []
         self.started: dict[int, float] = {}
         self.lock = threading.Lock()
@@ -56,22 +59,23 @@ class FakeScheduler:
                 if began is None or time.monotonic() - began < self.task_seconds:
                     return False, None
                 del self.started[task_id]
-            return True, {"task": task_id}
+            return True, (None if self.reject_all else {"task": task_id})
         if method == "export_stats":
             return {}
         return None
 
 
-def _controller(scheduler: FakeScheduler) -> RolloutController:
-    config = InferenceEngineConfig(
-        backend="hf:d1",
-        experiment_name="exp",
-        trial_name="trial",
-        consumer_batch_size=2,
-        max_head_offpolicyness=0,
-        max_concurrent_rollouts=2,
-        health_check_interval=0,  # the fake server address never answers a health check
-    )
+def _controller(scheduler: FakeScheduler, **overrides: Any) -> RolloutController:
+    settings = {
+        "backend": "hf:d1",
+        "experiment_name": "exp",
+        "trial_name": "trial",
+        "consumer_batch_size": 2,
+        "max_head_offpolicyness": 0,
+        "max_concurrent_rollouts": 2,
+        "health_check_interval": 0,  # the fake server address never answers a health check
+    }
+    config = InferenceEngineConfig(**{**settings, **overrides})
     controller = RolloutController(config, scheduler)
     controller.initialize(1, SchedulingSpec(), server_args={})
     return controller
@@ -102,5 +106,22 @@ def test_a_worker_that_cannot_take_tasks_stops_the_dispatch():
             controller.prepare_batch(rows, workflow="w", batch_size=2)
         time.sleep(0.3)
         assert len(scheduler.started) == 0 and controller.staleness.get_stats().rejected == 1
+    finally:
+        controller.destroy()
+
+
+def test_a_storm_of_rejections_fails_the_run_instead_of_launching_forever(monkeypatch):
+    # healthy-looking servers that fail every generation (or an Arena failing every
+    # task) reject each rollout: after the limit nothing more is launched
+    monkeypatch.setattr(rollout_controller, "RESCUE_AFTER", 0.05)  # the fake never reports
+    scheduler = FakeScheduler(reject_all=True)
+    controller = _controller(scheduler, max_consecutive_rejections=6, max_concurrent_rollouts=1)
+    try:
+        rows = [[{"id": i}, {"id": i + 1}] for i in range(0, 1000, 2)]
+        with pytest.raises(RuntimeError, match="the last 6 rollouts were all rejected"):
+            controller.prepare_batch(rows, workflow="w", batch_size=2)
+        launched = len(scheduler.submitted)
+        time.sleep(0.5)
+        assert len(scheduler.submitted) == launched <= 7  # dispatch stopped at the limit
     finally:
         controller.destroy()
