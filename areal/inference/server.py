@@ -15,8 +15,14 @@ request whose generation fails alone (see :mod:`areal.inference.engine`) gets 50
 Authentication is SGLang's (:mod:`areal.inference.auth`): with the key in
 ``AREAL_INFERENCE_API_KEY`` every route but ``/health*`` needs ``Authorization: Bearer
 <key>`` (401 otherwise). Without a key the server only listens on loopback. Transport
-limits (body size, header/body/idle timeouts, request deadline) are in
-:mod:`areal.inference.limits`.
+limits (:data:`LIMITS`, enforced by :mod:`areal.utils.http_limits`): a body over
+``--max-body-bytes`` gets 413 and one that stalls ``--body-timeout`` seconds 408; headers
+must arrive within ``--header-timeout`` seconds (408, or a silent close of a connection
+that sent nothing) and fit ``--max-header-bytes`` (431); a request unanswered after
+``--request-deadline`` seconds gets 504 and its generation is cancelled, which frees its
+batch slot. Bodies are read in chunks as they arrive, so a slow or large upload never
+holds the event loop; decoding a body costs the loop about 12 ms per MiB, which the size
+cap bounds.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import socket
 import uuid
 from typing import Any
 
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -37,15 +44,57 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from areal.inference.auth import API_KEY_ENV, APIKeyMiddleware
 from areal.inference.engine import GenerationEngine, GenerationRequest, RequestError
-from areal.inference.limits import LimitsMiddleware, ServerLimits, guarded_http_protocol
 from areal.inference.sampling import SamplingParams
 from areal.utils import logging
+from areal.utils.http_limits import (
+    BodyLimitMiddleware,
+    Headers,
+    HttpLimits,
+    LimitFlags,
+    Refusal,
+    Scope,
+    uvicorn_settings,
+)
 from areal.utils.lifeline import exit_with_parent
 from areal.utils.serving import GRACEFUL_SHUTDOWN_S
 
-__all__ = ["create_app", "main"]
+__all__ = ["LIMITS", "create_app", "main", "uvicorn_options"]
 
 logger = logging.getLogger("inference.server")
+
+LIMITS = HttpLimits(
+    max_body_bytes=4 * 1024 * 1024,  # holds a prompt of ~500k token ids
+    body_timeout=60.0,
+    request_deadline=3600.0,
+    header_timeout=10.0,
+    max_header_bytes=64 * 1024,
+    keep_alive_timeout=5.0,  # SGLang's default
+)
+"""The embedded server's request limits by default (its flags change them)."""
+LIMIT_FLAGS = LimitFlags(
+    LIMITS,
+    (
+        "--max-body-bytes",
+        "--max-header-bytes",
+        "--header-timeout",
+        "--body-timeout",
+        "--keep-alive-timeout",
+        "--request-deadline",
+    ),
+)
+
+
+def limit_error(refusal: Refusal, scope: Scope | None) -> tuple[Headers, bytes]:
+    """A refusal by the request limits, in the server's error shape."""
+    error = {"message": refusal.message, "type": "invalid_request_error", "param": None}
+    return [(b"content-type", b"application/json")], orjson.dumps({"error": error})
+
+
+def uvicorn_options(limits: HttpLimits = LIMITS) -> dict[str, Any]:
+    """uvicorn settings of the server: the HTTP protocol with its header limits, keep-alive."""
+    return uvicorn_settings(
+        limits, error_shape=limit_error, header_timeout_reply="after_first_byte"
+    )
 
 
 class SamplingParamsBody(BaseModel):
@@ -172,12 +221,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(
-    engine: GenerationEngine, *, api_key: str | None = None, limits: ServerLimits | None = None
+    engine: GenerationEngine, *, api_key: str | None = None, limits: HttpLimits = LIMITS
 ) -> FastAPI:
     """The HTTP app over a started :class:`GenerationEngine` (stopped on shutdown).
 
     With ``api_key`` every route but ``/health*`` needs ``Authorization: Bearer
-    <api_key>``; ``limits`` (default :class:`ServerLimits`) caps bodies and deadlines.
+    <api_key>``; ``limits`` caps bodies and deadlines.
     """
 
     @contextlib.asynccontextmanager
@@ -345,7 +394,7 @@ def create_app(
         )
 
     # the last added runs first: authentication before any body byte is read
-    app.add_middleware(LimitsMiddleware, limits=limits or ServerLimits())
+    app.add_middleware(BodyLimitMiddleware, limits=limits, error_shape=limit_error)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
@@ -397,46 +446,8 @@ def _parser() -> argparse.ArgumentParser:
         "device; TP ranks beyond the first receive every broadcast and drop it)",
     )
     parser.add_argument("--log-level", default="warning")
-    defaults = ServerLimits()
-    limits = parser.add_argument_group(
-        "limits", f"the API key is read from {API_KEY_ENV}, never from the command line"
-    )
-    limits.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=defaults.max_body_bytes,
-        help="largest request body in bytes; larger ones get 413 (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--max-header-bytes",
-        type=int,
-        default=defaults.max_header_bytes,
-        help="largest request line plus headers in bytes; 431 above (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--header-timeout",
-        type=float,
-        default=defaults.header_timeout,
-        help="seconds for a request's line and headers to arrive; 408 after (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--body-timeout",
-        type=float,
-        default=defaults.body_timeout,
-        help="seconds for a request body to arrive; 408 after (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--keep-alive-timeout",
-        type=float,
-        default=defaults.keep_alive_timeout,
-        help="seconds an idle keep-alive connection stays open (default: %(default)s)",
-    )
-    limits.add_argument(
-        "--request-deadline",
-        type=float,
-        default=defaults.request_deadline,
-        help="seconds until an unanswered request gets 504 and its generation is cancelled; "
-        "0 disables (default: %(default)s)",
+    LIMIT_FLAGS.add_arguments(
+        parser, f"the API key is read from {API_KEY_ENV}, never from the command line"
     )
     return parser
 
@@ -446,17 +457,7 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        limits = ServerLimits(
-            max_body_bytes=args.max_body_bytes,
-            max_header_bytes=args.max_header_bytes,
-            header_timeout=args.header_timeout,
-            body_timeout=args.body_timeout,
-            keep_alive_timeout=args.keep_alive_timeout,
-            request_deadline=args.request_deadline,
-        )
-    except ValueError as e:
-        parser.error(str(e))
+    limits = LIMIT_FLAGS.parse(parser, args)
     # read once and dropped from the environment, so nothing this process starts inherits it
     api_key = os.environ.pop(API_KEY_ENV, "").strip()
     if not api_key and not _is_loopback(args.host):
@@ -484,9 +485,8 @@ def main(argv: list[str] | None = None) -> None:
         host=args.host,
         port=args.port,
         log_level=args.log_level,
-        http=guarded_http_protocol(limits),
-        timeout_keep_alive=limits.keep_alive_timeout,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **uvicorn_options(limits),
     )
 
 

@@ -39,6 +39,7 @@ import argparse
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import gc
 import math
 import os
@@ -59,33 +60,26 @@ from areal.proxy.adapters.protocols import (
     stream_events,
     to_chat,
 )
-from areal.proxy.asgi import (
-    CLOSE,
-    DEFAULT_BODY_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
-    App,
-    BodyTimeoutError,
-    BodyTooLargeError,
-    Endpoint,
-    Request,
-    Response,
-    StreamingResponse,
-)
+from areal.proxy.asgi import JSON, App, Endpoint, Request, Response, StreamingResponse
 from areal.proxy.chat import ChatGenerator
 from areal.proxy.errors import ContextLengthExceededError, InvalidRequestError
-from areal.proxy.http_protocol import (
-    DEFAULT_HEADER_TIMEOUT_S,
-    DEFAULT_MAX_HEADER_BYTES,
-    guarded_http_protocol,
-)
 from areal.proxy.interaction import COLUMN_DTYPES, Interaction, PrefixMatcher
 from areal.proxy.keys import candidate_tokens, derive_gateway_key, same_secret, validate_admin_key
 from areal.proxy.memory import MemoryReleaser
 from areal.proxy.messages import MessagePreprocessor
 from areal.proxy.sessions import ProxyAuthError, Session, SessionStore
 from areal.utils import logging
+from areal.utils.http_limits import (
+    BodyLimitMiddleware,
+    Headers,
+    HttpLimits,
+    LimitFlags,
+    Refusal,
+    Scope,
+    uvicorn_settings,
+)
 
-__all__ = ["ProxyServer", "main", "serialize_interactions", "uvicorn_options"]
+__all__ = ["LIMITS", "ProxyServer", "main", "serialize_interactions", "uvicorn_options"]
 
 logger = logging.getLogger("proxy.server")
 
@@ -164,26 +158,18 @@ class _Endpoint:
             return error(400, str(e), "context_length_exceeded", anthropic, detail=detail)
         except InvalidRequestError as e:
             return error(400, str(e), "invalid_request_error", anthropic, e.param)
-        except BodyTooLargeError as e:
-            return too_large(e, anthropic)
-        except BodyTimeoutError as e:
-            response = error(408, f"{e} (--body-timeout)", "request_timeout", anthropic)
-            response.headers.append(CLOSE)
-            return response
         except Exception as e:
             return error(500, f"{type(e).__name__}: {e}", "api_error", anthropic)
 
 
-def too_large(e: BodyTooLargeError, anthropic: bool = False) -> Response:
-    """413 naming the limit and how to raise it; the connection closes (the rest is unread)."""
-    mib = e.limit / 2**20
-    message = (
-        f"{e} ({mib:g} MiB); raise it with the proxy's --max-body-bytes flag "
-        "(rollout.agent.max_body_bytes)"
+def limit_error(refusal: Refusal, scope: Scope | None) -> tuple[Headers, bytes]:
+    """A refusal by the request limits in the caller's protocol; a 413 names the cap."""
+    anthropic = scope is not None and scope["path"].rstrip("/") == "/v1/messages"
+    extra = {"limit": refusal.limit} if refusal.status == 413 else {}
+    body = error_body(
+        "anthropic" if anthropic else "chat_completions", refusal.message, refusal.kind, **extra
     )
-    response = error(413, message, "request_too_large", anthropic, limit=e.limit)
-    response.headers.append(CLOSE)
-    return response
+    return [(b"content-type", JSON)], orjson.dumps(body)
 
 
 def _number(body: dict[str, Any], name: str, default: float | None) -> float | None:
@@ -199,7 +185,25 @@ OFFLOAD_BYTES = 64 * 1024  # bodies this large are parsed and tokenized on worke
 LARGE_BYTES = 1024 * 1024  # bodies this large are prepared at most LARGE_SLOTS at a time
 LARGE_SLOTS = 2
 DEFAULT_EXPORT_TIMEOUT_S = 300.0
-DEFAULT_IDLE_TIMEOUT_S = 300
+LIMITS = HttpLimits(
+    max_body_bytes=16 * 1024 * 1024,
+    body_timeout=60.0,
+    header_timeout=30.0,
+    max_header_bytes=64 * 1024,
+    keep_alive_timeout=300,
+    changed_by={"max_body_bytes": "the proxy's --max-body-bytes, rollout.agent.max_body_bytes"},
+)
+"""The proxy's request limits by default (its flags change them)."""
+LIMIT_FLAGS = LimitFlags(
+    LIMITS,
+    (
+        "--max-body-bytes",
+        "--body-timeout",
+        "--header-timeout",
+        "--max-header-bytes",
+        "--idle-timeout",
+    ),
+)
 
 
 class ProxyServer:
@@ -223,15 +227,16 @@ class ProxyServer:
         deterministic: bool = False,
         role: str = "proxy",
         worker_index: int = 0,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
+        max_body_bytes: int = LIMITS.max_body_bytes,
+        body_timeout: float = LIMITS.body_timeout,
         export_timeout: float = DEFAULT_EXPORT_TIMEOUT_S,
         run_nonce: str | None = None,
     ):
-        if max_body_bytes < 1:
-            raise ValueError(f"max_body_bytes must be at least 1, got {max_body_bytes}")
-        if body_timeout <= 0 or export_timeout <= 0:
-            raise ValueError("body_timeout and export_timeout must be positive seconds")
+        limits = dataclasses.replace(
+            LIMITS, max_body_bytes=max_body_bytes, body_timeout=body_timeout
+        )
+        if export_timeout <= 0:
+            raise ValueError("export_timeout must be positive seconds")
         self.admin_key = validate_admin_key(admin_api_key, host)
         self.gateway_key = derive_gateway_key(self.admin_key)
         self.engine = engine
@@ -253,13 +258,7 @@ class ProxyServer:
         self._memory = MemoryReleaser()
         logging.register_secret(self.admin_key)
         logging.register_secret(self.gateway_key)
-        self.app = App(
-            self._routes(),
-            lifespan=self._lifespan,
-            max_body_bytes=max_body_bytes,
-            body_timeout=body_timeout,
-            too_large=lambda path, e: too_large(e, anthropic=path == "/v1/messages"),
-        )
+        self.app = BodyLimitMiddleware(App(self._routes(), self._lifespan), limits, limit_error)
 
     @contextlib.asynccontextmanager
     async def _lifespan(self) -> AsyncIterator[None]:
@@ -561,39 +560,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--prefix-matcher", default=None, metavar="DOTTED.PATH", help="parent matcher function"
     )
-    limits = parser.add_argument_group("limits")
-    limits.add_argument(
-        "--max-body-bytes",
-        type=_positive(int),
-        default=DEFAULT_MAX_BODY_BYTES,
-        help="largest request body in bytes on any endpoint; larger ones get 413 (default "
-        "%(default)s = 16 MiB)",
-    )
-    limits.add_argument(
-        "--body-timeout",
-        type=_positive(float),
-        default=DEFAULT_BODY_TIMEOUT_S,
-        help="seconds a request body may stall between parts before 408 (default %(default)s)",
-    )
-    limits.add_argument(
-        "--header-timeout",
-        type=_positive(float),
-        default=DEFAULT_HEADER_TIMEOUT_S,
-        help="seconds a connection may take to send a request's headers before 408 (default "
-        "%(default)s)",
-    )
-    limits.add_argument(
-        "--max-header-bytes",
-        type=_positive(int),
-        default=DEFAULT_MAX_HEADER_BYTES,
-        help="largest request line plus headers in bytes; larger get 431 (default %(default)s)",
-    )
-    limits.add_argument(
-        "--idle-timeout",
-        type=_positive(int),
-        default=DEFAULT_IDLE_TIMEOUT_S,
-        help="seconds a kept-alive connection may idle between requests (default %(default)s)",
-    )
+    limits = LIMIT_FLAGS.add_arguments(parser)
     limits.add_argument(
         "--export-timeout",
         type=_positive(float),
@@ -620,16 +587,9 @@ def _positive(kind: type) -> Any:
     return parse
 
 
-def uvicorn_options(
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT_S,
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-    idle_timeout: int = DEFAULT_IDLE_TIMEOUT_S,
-) -> dict[str, Any]:
-    """uvicorn settings of the proxy: the guarded HTTP protocol and the idle timeout."""
-    return {
-        "http": guarded_http_protocol(header_timeout, max_header_bytes),
-        "timeout_keep_alive": idle_timeout,
-    }
+def uvicorn_options(limits: HttpLimits = LIMITS) -> dict[str, Any]:
+    """uvicorn settings of the proxy: the HTTP protocol with its header limits, the idle timeout."""
+    return uvicorn_settings(limits, error_shape=limit_error)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -641,7 +601,9 @@ def main(argv: list[str] | None = None) -> None:
     from areal.proxy.parsers import get_reasoning_parser_or_none, get_tool_call_parser_or_none
     from areal.proxy.plugins import load_message_preprocessors, load_prefix_matcher
 
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    limits = LIMIT_FLAGS.parse(parser, args)
     admin_key = os.environ.get("SWE_RL_ADMIN_API_KEY", "")
     if not admin_key.strip():
         print(
@@ -677,8 +639,8 @@ def main(argv: list[str] | None = None) -> None:
         session_timeout=args.session_timeout,
         preprocessors=preprocessors,
         prefix_matcher=prefix_matcher,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout=args.body_timeout,
+        max_body_bytes=limits.max_body_bytes,
+        body_timeout=limits.body_timeout,
         export_timeout=args.export_timeout,
         run_nonce=args.session_id_nonce,
     )
@@ -700,7 +662,7 @@ def main(argv: list[str] | None = None) -> None:
         proxy_headers=False,
         backlog=4096,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        **uvicorn_options(args.header_timeout, args.max_header_bytes, args.idle_timeout),
+        **uvicorn_options(limits),
     )
 
 

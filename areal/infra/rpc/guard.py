@@ -1,27 +1,26 @@
-"""Front door of the RPC servers: signature checks, body-size cap, header and body timeouts.
+"""Front door of the RPC servers: signature checks, then the request limits.
 
 :class:`SignedRequestGuard` wraps an ASGI app (a worker's RPC server, the controller's
 callback server). For each HTTP request it checks the signature headers of
 :mod:`areal.infra.rpc.auth` *before reading any body byte* (401 when they fail), then
-refuses a body larger than ``max_body_bytes`` (413, from ``Content-Length`` or while
-reading a chunked body) or one that stalls for ``body_timeout`` seconds between chunks
-(408), checks the body against its signed digest (400), and signs every answer to an
-accepted request. Paths in ``open_paths`` also take unsigned ``GET`` requests (a
-liveness probe); the app sees ``scope["areal.authenticated"]`` (False for those) and
-must not reveal anything to them.
+reads the body under the limits of :mod:`areal.utils.http_limits` (413 for a body larger
+than ``max_body_bytes``, from ``Content-Length`` or while reading a chunked body; 408 for
+one that stalls ``body_timeout`` seconds between chunks), checks it against its signed
+digest (400), and signs every answer to an accepted request, refusals included. Paths in
+``open_paths`` also take unsigned ``GET`` requests (a liveness probe); the app sees
+``scope["areal.authenticated"]`` (False for those) and must not reveal anything to them.
 
-:func:`guarded_http_protocol` is the uvicorn protocol for a server started directly
-(the worker): a connection must finish each request's headers within
-``header_timeout`` seconds of its first byte (or of connecting), and the request line
-plus headers may not exceed ``max_header_bytes`` (else 400 and the connection closes);
-idle keep-alive connections are closed by uvicorn's ``timeout_keep_alive``.
+:data:`LIMIT_FLAGS` are the limit flags of a server started directly (the worker), and
+:func:`uvicorn_options` its HTTP protocol: each request's line and headers within
+``--header-timeout`` seconds of its first byte (or of connecting) and 64 KiB (else 400;
+either way the connection closes), idle keep-alive connections closed after
+``--idle-timeout`` seconds.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import os
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -36,89 +35,64 @@ from areal.infra.rpc.auth import (
     sign_response,
 )
 from areal.infra.rpc.serialization import json_dumps
+from areal.utils.http_limits import (
+    BodyLimitMiddleware,
+    Headers,
+    HttpLimits,
+    LimitFlags,
+    Refusal,
+    Scope,
+    read_body,
+    uvicorn_settings,
+)
 from areal.utils.secrets import reveal
 
 __all__ = [
     "AUTH_SCOPE_KEY",
-    "DEFAULT_BODY_TIMEOUT",
-    "DEFAULT_HEADER_TIMEOUT",
-    "DEFAULT_IDLE_TIMEOUT",
-    "DEFAULT_MAX_BODY_BYTES",
-    "DEFAULT_MAX_HEADER_BYTES",
+    "LIMITS",
+    "LIMIT_FLAGS",
     "MAX_BODY_BYTES_ENV",
     "SignedRequestGuard",
-    "add_limit_arguments",
-    "check_limit_arguments",
-    "guarded_http_protocol",
-    "limit_from_env",
+    "uvicorn_options",
 ]
 
 AUTH_SCOPE_KEY = "areal.authenticated"
+_DIGEST_SCOPE_KEY = "areal.content_sha256"  # the signed body digest, for _DigestCheck
 MAX_BODY_BYTES_ENV = "AREAL_RPC_MAX_BODY_BYTES"
-DEFAULT_MAX_BODY_BYTES = 1 << 30  # 1 GiB: a training batch travels by value in /call
-DEFAULT_BODY_TIMEOUT = 60.0  # seconds of silence allowed between two body chunks
-DEFAULT_HEADER_TIMEOUT = 15.0  # seconds to send a request's line and headers
-DEFAULT_IDLE_TIMEOUT = 30  # seconds an idle keep-alive connection stays open
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024
+LIMITS = HttpLimits(
+    max_body_bytes=1 << 30,  # 1 GiB: a training batch travels by value in /call
+    body_timeout=60.0,  # seconds of silence allowed between two body chunks
+    header_timeout=15.0,
+    max_header_bytes=64 * 1024,
+    keep_alive_timeout=30,
+    changed_by={
+        "max_body_bytes": f"the server's limit: --max-body-bytes or ${MAX_BODY_BYTES_ENV}",
+        "max_header_bytes": None,  # fixed: no flag
+    },
+)
+"""The RPC servers' request limits by default (the worker's flags change them)."""
+LIMIT_FLAGS = LimitFlags(
+    LIMITS,
+    ("--max-body-bytes", "--header-timeout", "--body-timeout", "--idle-timeout"),
+    env={"--max-body-bytes": MAX_BODY_BYTES_ENV},
+)
 _INLINE_HASH_BYTES = 1 << 20  # bodies from this size are hashed on a thread
 
-Scope = dict[str, Any]
+
+def limit_error(refusal: Refusal, scope: Scope | None) -> tuple[Headers, bytes]:
+    """A refusal by the request limits, as every RPC error: ``{"error": message}``."""
+    return [(b"content-type", b"application/json")], json_dumps({"error": refusal.message})
 
 
-def limit_from_env(name: str, default: float, kind: type = float) -> Any:
-    """A positive number from ``$name``, else ``default``; a clear error if malformed."""
-    raw = os.environ.get(name, "")
-    if not raw:
-        return default
-    try:
-        value = kind(raw)
-    except ValueError:
-        raise ValueError(f"${name}={raw!r} is not a {kind.__name__}") from None
-    if value <= 0:
-        raise ValueError(f"${name} must be positive (got {raw!r})")
-    return value
+def uvicorn_options(limits: HttpLimits = LIMITS) -> dict[str, Any]:
+    """uvicorn settings of a worker: the HTTP protocol with its header limits, idle timeout.
 
-
-def add_limit_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``limits`` flags of a server command line (see the module docstring)."""
-    limits = parser.add_argument_group("limits")
-    limits.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=None,
-        help=f"Largest request body, bytes; 413 beyond (default ${MAX_BODY_BYTES_ENV}, "
-        f"else {DEFAULT_MAX_BODY_BYTES}).",
+    Late headers close the connection without an answer, and headers over the cap get
+    400, as they always have on these servers.
+    """
+    return uvicorn_settings(
+        limits, error_shape=limit_error, header_timeout_reply="never", header_limit_status=400
     )
-    limits.add_argument(
-        "--header-timeout",
-        type=float,
-        default=DEFAULT_HEADER_TIMEOUT,
-        help="Seconds a connection has to send a request's line and headers.",
-    )
-    limits.add_argument(
-        "--body-timeout",
-        type=float,
-        default=DEFAULT_BODY_TIMEOUT,
-        help="Seconds of silence allowed between two chunks of a request body (408).",
-    )
-    limits.add_argument(
-        "--idle-timeout",
-        type=int,
-        default=DEFAULT_IDLE_TIMEOUT,
-        help="Seconds an idle keep-alive connection stays open.",
-    )
-
-
-def check_limit_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """Fill ``--max-body-bytes`` from the environment; every limit must be positive."""
-    if args.max_body_bytes is None:
-        try:
-            args.max_body_bytes = limit_from_env(MAX_BODY_BYTES_ENV, DEFAULT_MAX_BODY_BYTES, int)
-        except ValueError as e:
-            parser.error(str(e))
-    for flag in ("max_body_bytes", "header_timeout", "body_timeout", "idle_timeout"):
-        if getattr(args, flag) <= 0:
-            parser.error(f"--{flag.replace('_', '-')} must be positive")
 
 
 class _ReplyError(Exception):
@@ -189,8 +163,8 @@ class SignedRequestGuard:
         token: str,
         *,
         open_paths: Iterable[str] = (),
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        max_body_bytes: int = LIMITS.max_body_bytes,
+        body_timeout: float = LIMITS.body_timeout,
         max_skew: float | None = None,
     ):
         if not reveal(token):
@@ -198,8 +172,10 @@ class SignedRequestGuard:
         self.app = app
         self._token = token
         self.open_paths = frozenset(open_paths)
-        self.max_body_bytes = max_body_bytes
-        self.body_timeout = body_timeout
+        self.limits = dataclasses.replace(
+            LIMITS, max_body_bytes=max_body_bytes, body_timeout=body_timeout
+        )
+        self._limited = BodyLimitMiddleware(self._checked, self.limits, limit_error)
         self.max_skew = max_clock_skew() if max_skew is None else max_skew
         self.replay = ReplayCache(self.max_skew)
 
@@ -221,14 +197,19 @@ class SignedRequestGuard:
             await _send_json(send, e.status, str(e))
             return
         signing_send = _SigningSend(send, self._token, signed.nonce)
-        try:
-            body = await self._read_body(headers, receive)
-            if await _digest(body) != signed.content_sha256:
-                raise _ReplyError(400, f"the body does not match its {CONTENT_HEADER}")
-        except _ReplyError as e:
-            await _send_json(signing_send, e.status, str(e))
-            return
-        await self.app({**scope, AUTH_SCOPE_KEY: True}, _replay_body(body, receive), signing_send)
+        scope = {**scope, AUTH_SCOPE_KEY: True, _DIGEST_SCOPE_KEY: signed.content_sha256}
+        await self._limited(scope, receive, signing_send)
+
+    async def _checked(self, scope: Scope, receive: Any, send: Any) -> None:
+        """The app, once the whole body (read under the limits) matches its signed digest."""
+        body = await read_body(receive)
+        if body is None:
+            # gone, or refused by the limits (then this answer is dropped)
+            await _send_json(send, 400, "the client went away before sending the whole body")
+        elif await _digest(body) != scope[_DIGEST_SCOPE_KEY]:
+            await _send_json(send, 400, f"the body does not match its {CONTENT_HEADER}")
+        else:
+            await self.app(scope, _replay_body(body, receive), send)
 
     def _admit(self, scope: Scope, headers: dict[str, str]) -> Any:
         host = headers.get("host", "")
@@ -242,32 +223,6 @@ class SignedRequestGuard:
         except AuthError as e:
             raise _ReplyError(401, str(e)) from None
         return signed
-
-    async def _read_body(self, headers: dict[str, str], receive: Any) -> bytes:
-        declared = headers.get("content-length", "")
-        too_big = _ReplyError(
-            413,
-            f"request body over {self.max_body_bytes} bytes (the server's limit: "
-            f"--max-body-bytes or ${MAX_BODY_BYTES_ENV})",
-        )
-        if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise too_big
-        chunks: list[bytes] = []
-        size = 0
-        while True:
-            try:
-                message = await asyncio.wait_for(receive(), self.body_timeout)
-            except TimeoutError:
-                raise _ReplyError(408, f"no body data for {self.body_timeout:.0f}s") from None
-            if message["type"] == "http.disconnect":
-                raise _ReplyError(400, "the client went away before sending the whole body")
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise too_big
-            chunks.append(chunk)
-            if not message.get("more_body", False):
-                return b"".join(chunks)
 
 
 async def _digest(body: bytes) -> str:
@@ -341,63 +296,3 @@ async def _send_json(send: Any, status: int, message: str) -> None:
         }
     )
     await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
-def guarded_http_protocol(
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
-) -> type:
-    """uvicorn's httptools protocol with a header deadline and a header-size cap."""
-    import httptools  # noqa: F401  (uvicorn's fast parser; a declared dependency)
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-
-    class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        _header_timer: asyncio.TimerHandle | None = None
-        _header_bytes = 0
-
-        def connection_made(self, transport: Any) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def on_message_begin(self) -> None:
-            super().on_message_begin()
-            self._header_bytes = 0
-            self._arm()
-
-        def on_url(self, url: bytes) -> None:
-            self._count(len(url))
-            super().on_url(url)
-
-        def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)
-            super().on_header(name, value)
-
-        def on_headers_complete(self) -> None:
-            self._disarm()
-            super().on_headers_complete()
-
-        def _count(self, n: int) -> None:
-            self._header_bytes += n
-            if self._header_bytes > max_header_bytes:
-                # raised inside the parser: uvicorn answers 400 and closes the connection
-                raise ValueError(f"request headers over {max_header_bytes} bytes")
-
-        def _arm(self) -> None:
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_later(header_timeout, self._headers_late)
-
-        def _disarm(self) -> None:
-            if self._header_timer is not None:
-                self._header_timer.cancel()
-                self._header_timer = None
-
-        def _headers_late(self) -> None:
-            self._header_timer = None
-            if not self.transport.is_closing():
-                self.transport.close()
-
-    return GuardedHttpToolsProtocol

@@ -53,12 +53,10 @@ from areal.api.scheduler_api import RPC_TOKEN_ENV
 from areal.infra.rpc.auth import max_clock_skew
 from areal.infra.rpc.guard import (
     AUTH_SCOPE_KEY,
-    DEFAULT_BODY_TIMEOUT,
-    DEFAULT_MAX_BODY_BYTES,
+    LIMIT_FLAGS,
+    LIMITS,
     SignedRequestGuard,
-    add_limit_arguments,
-    check_limit_arguments,
-    guarded_http_protocol,
+    uvicorn_options,
 )
 from areal.infra.rpc.processes import LoggedProcess
 from areal.infra.rpc.serialization import (
@@ -213,8 +211,8 @@ class WorkerServer:
         host_ip: str,
         fileroot: str,
         *,
-        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        max_body_bytes: int = LIMITS.max_body_bytes,
+        body_timeout: float = LIMITS.body_timeout,
     ):
         self.experiment_name = experiment_name
         self.trial_name = trial_name
@@ -517,9 +515,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--etcd3-addr", default="localhost:2379", help="Unused (nfs only).")
     parser.add_argument("--fileroot", default="/tmp/areal", help="Logs of forked workers.")
     parser.add_argument("--log-level", "--werkzeug-log-level", dest="log_level", default="WARNING")
-    add_limit_arguments(parser)
+    LIMIT_FLAGS.add_arguments(parser)
     args = parser.parse_args(argv)
-    check_limit_arguments(parser, args)
+    args.limits = LIMIT_FLAGS.parse(parser, args)
     if os.environ.get("SLURM_PROCID"):
         args.worker_index = int(os.environ["SLURM_PROCID"])
     if args.worker_index < 0:
@@ -564,8 +562,8 @@ def main(argv: list[str] | None = None) -> None:
         token,
         ip,
         args.fileroot,
-        max_body_bytes=args.max_body_bytes,
-        body_timeout=args.body_timeout,
+        max_body_bytes=args.limits.max_body_bytes,
+        body_timeout=args.limits.body_timeout,
     )
     config = uvicorn.Config(
         server_state.app,
@@ -573,8 +571,7 @@ def main(argv: list[str] | None = None) -> None:
         access_log=False,
         lifespan="on",
         timeout_graceful_shutdown=5,
-        http=guarded_http_protocol(args.header_timeout),
-        timeout_keep_alive=args.idle_timeout,
+        **uvicorn_options(args.limits),
     )
     server = uvicorn.Server(config)
     # uvicorn re-raises SIGTERM/SIGINT to the previous handlers after shutting down; a

@@ -28,11 +28,12 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from areal.utils.http_limits import HttpLimits
 from areal.utils.serving import GRACEFUL_SHUTDOWN_S
 from examples.swe.local_arena.faults import ERROR_KINDS, FaultConfig, FaultError
+from examples.swe.local_arena.limits import LIMIT_FLAGS, uvicorn_options
 
 PROG = "python -m examples.swe.local_arena"
-DEFAULT_HEADER_TIMEOUT_S = 10.0
 MAX_HEADER_TIMEOUT_S = 300.0
 HARD_STOP_S = GRACEFUL_SHUTDOWN_S + 5.0
 
@@ -100,19 +101,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--envelope", choices=["plain", "wrapped"], default="plain")
     s.add_argument("--task-timeout", type=float, default=600.0, help="seconds per task")
     s.add_argument("--max-concurrent-tasks", type=int, default=64)
-    s.add_argument(
-        "--max-body-bytes",
-        type=int,
-        default=None,
-        help="largest request body accepted; larger ones get 413 (default 16 MiB)",
-    )
-    s.add_argument(
-        "--header-timeout",
-        type=float,
-        default=DEFAULT_HEADER_TIMEOUT_S,
-        help="seconds a request's headers may take before the connection is closed "
-        f"(default {DEFAULT_HEADER_TIMEOUT_S:g})",
-    )
+    LIMIT_FLAGS.add_arguments(s)
     s.add_argument(
         "--error-rate",
         action="append",
@@ -150,10 +139,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         )
 
 
-def _serve(app: Any, args: argparse.Namespace) -> None:
+def _serve(app: Any, args: argparse.Namespace, limits: HttpLimits) -> None:
     import uvicorn
-
-    from examples.swe.local_arena.limits import header_deadline_protocol
 
     class LocalArenaServer(uvicorn.Server):
         """uvicorn's server, plus a prompt stop of the local Arena on the first signal."""
@@ -176,7 +163,7 @@ def _serve(app: Any, args: argparse.Namespace) -> None:
         log_level=args.log_level,
         access_log=False,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        http=header_deadline_protocol(args.header_timeout),
+        **uvicorn_options(limits),
     )
     LocalArenaServer(config).run()
 
@@ -195,17 +182,15 @@ def _hard_stop(app: Any, sig: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = parser().parse_args(argv)
+    command_line = parser()
+    args = command_line.parse_args(argv)
 
     from examples.swe.local_arena.catalog import DEFAULT_CATALOG, load_catalog
-    from examples.swe.local_arena.server import (
-        DEFAULT_MAX_BODY_BYTES,
-        LocalArenaConfig,
-        create_app,
-    )
+    from examples.swe.local_arena.server import LocalArenaConfig, create_app
 
     try:
         _check_flags(args)
+        limits = LIMIT_FLAGS.parse(command_line, args)
         catalog = load_catalog(args.catalog or DEFAULT_CATALOG)
         faults = fault_settings(args, catalog.faults)
         token_file = args.token_file or args.db.with_name(args.db.name + ".token")
@@ -222,9 +207,7 @@ def main(argv: list[str] | None = None) -> None:
             max_concurrent_tasks=args.max_concurrent_tasks,
             faults=faults,
             envelope=args.envelope,
-            max_body_bytes=(
-                DEFAULT_MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
-            ),
+            max_body_bytes=limits.max_body_bytes,
         )
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
@@ -234,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
         f"LLM gateway at http://{args.host}:{args.port}/api)",
         file=sys.stderr,
     )
-    _serve(create_app(config), args)
+    _serve(create_app(config), args, limits)
 
 
 if __name__ == "__main__":

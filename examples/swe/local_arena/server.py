@@ -54,9 +54,10 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, Validation
 
 from areal.proxy.keys import same_secret
 from areal.utils import logging
+from areal.utils.http_limits import BodyLimitMiddleware
 from examples.swe.local_arena.faults import SPANNER_MARKER, WAITING_PAGE, FaultConfig
 from examples.swe.local_arena.gateway import LLMGateway
-from examples.swe.local_arena.limits import BodySizeLimit
+from examples.swe.local_arena.limits import LIMITS, limit_error
 from examples.swe.local_arena.store import Route, Store
 from examples.swe.local_arena.tasks import Launch, TaskRunner
 from examples.swe.local_arena.types import Catalog, Ref
@@ -68,7 +69,7 @@ logger = logging.getLogger("local_arena.server")
 MAX_PAGE = 1000
 ENVELOPES = ("plain", "wrapped")
 ROUTE_PREFIX = "stream-areal-"
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024  # harness calls carry whole conversations
+DEFAULT_MAX_BODY_BYTES = LIMITS.max_body_bytes
 BODY_BYTES_RANGE = (1024, 1024**3)
 MAX_TASK_TIMEOUT_S = 86_400.0
 MAX_CONCURRENT_TASKS = 1024
@@ -511,7 +512,8 @@ def create_app(config: LocalArenaConfig) -> FastAPI:
             return stopping_response()
         return await call_next(request)
 
-    app.add_middleware(BodySizeLimit, limit=config.max_body_bytes)
+    limits = dataclasses.replace(LIMITS, max_body_bytes=config.max_body_bytes)
+    app.add_middleware(BodyLimitMiddleware, limits=limits, error_shape=limit_error)
 
     @app.exception_handler(HTTPError)
     async def http_error(request: Request, exc: HTTPError) -> Response:

@@ -18,11 +18,11 @@ import pytest
 import uvicorn
 
 from areal.inference.engine import GenerationEngine
-from areal.inference.limits import ServerLimits, guarded_http_protocol
-from areal.inference.server import create_app
+from areal.inference.server import create_app, uvicorn_options
+from areal.utils.http_limits import HttpLimits
 from areal.utils.network import find_free_port
 
-LIMITS = ServerLimits(
+LIMITS = HttpLimits(
     max_body_bytes=1_000_000,
     max_header_bytes=16_384,
     header_timeout=1.0,
@@ -33,15 +33,14 @@ LIMITS = ServerLimits(
 
 
 @contextmanager
-def serve_with_limits(app, limits: ServerLimits) -> Iterator[tuple[str, int]]:
+def serve_with_limits(app, limits: HttpLimits) -> Iterator[tuple[str, int]]:
     port = find_free_port("127.0.0.1")
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
         port=port,
         log_level="warning",
-        http=guarded_http_protocol(limits),
-        timeout_keep_alive=limits.keep_alive_timeout,
+        **uvicorn_options(limits),
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
