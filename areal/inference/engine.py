@@ -41,6 +41,8 @@ __all__ = [
 logger = logging.getLogger("inference.engine")
 
 ABORT_BEFORE_PREFILL = "Abort before prefill"
+# a loop turn that takes longer than this (no step or command does) is a frozen server
+STALL_SECONDS = 60.0
 
 
 class RequestError(ValueError):
@@ -149,6 +151,7 @@ class GenerationEngine:
         self._wake = threading.Event()
         self._paused = False
         self._released = False  # memory given back (colocation): no generation until resumed
+        self._heartbeat = time.monotonic()  # the loop's last turn (see :meth:`stalled_for`)
         self._stopping = False
         # ranks of weight-update groups, by group name (see areal.inference.weight_group)
         self._weight_groups: dict[str, WeightUpdateRanks] = {}
@@ -288,6 +291,7 @@ class GenerationEngine:
 
     def _loop(self) -> None:
         while not self._stopping:
+            self._heartbeat = time.monotonic()
             self._run_commands()
             if self._paused or self._released or (not self._running and not self._waiting):
                 self._wake.wait(timeout=0.1)
@@ -650,6 +654,18 @@ class GenerationEngine:
         self._released = False
         self.stats["memory_resumes"] += 1
         return {"success": True}
+
+    def stalled_for(self) -> float | None:
+        """Seconds since the generation loop last turned; None while it is healthy.
+
+        The loop turns at least every 0.1 s when idle and once per decode step; a dead
+        thread, or a step or command stuck far longer than any step takes, is a frozen
+        server (its health check then fails, as SGLang's does).
+        """
+        if not self._thread.is_alive():
+            return float("inf")
+        age = time.monotonic() - self._heartbeat
+        return age if age > STALL_SECONDS else None
 
     @property
     def memory_released(self) -> bool:

@@ -250,7 +250,11 @@ def create_app(
 
     @app.get("/health")
     @app.get("/health_generate")
-    async def health() -> dict[str, str]:
+    async def health():
+        # like SGLang's, health means the generation loop answers, not just the HTTP layer
+        stalled = engine.stalled_for()
+        if stalled is not None:
+            return _error(503, f"the generation loop has not turned for {stalled:.0f} s")
         return {"status": "ok"}
 
     @app.get("/get_model_info")
