@@ -656,7 +656,7 @@ class RemoteInfEngine(InferenceEngine):
     def export_stats(self) -> dict[str, float]:
         from areal.utils import stats_tracker
 
-        return stats_tracker.get("rollout").export()
+        return stats_tracker.get("rollout").export(mergeable=True)
 
 
 class RemoteSGLangEngine(RemoteInfEngine):

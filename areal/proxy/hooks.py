@@ -43,19 +43,36 @@ class AgentHooks(Protocol):
 
     def get_episode_metadata(self) -> dict[str, Any]: ...
 
+    @staticmethod
     def classify_proxy_failure(
-        self, error: BaseException, *, context_overflow: bool, interaction_count: int
+        error: BaseException, *, context_overflow: bool, interaction_count: int
     ) -> FailureDisposition:
-        """Sync. Decides whether a failed episode trains with reward 0 or is rejected."""
+        """Sync, class-level. Decides whether a failed episode trains with reward 0 or is
+        rejected; any other value is a ``ValueError``."""
 
     def record_failure_disposition(
         self, data: dict, error: BaseException, disposition: FailureDisposition
     ) -> None: ...
 
-    def persist_episode_result(self, data: dict, reward: float | None) -> None: ...
+    def should_reject_failed_sample(
+        self, error: BaseException, disposition: FailureDisposition
+    ) -> bool:
+        """True: drop only this sample (its group siblings are kept) instead of raising.
+        Consulted for failed episodes when the proxy saw no system error."""
 
-    def record_episode_metrics(self, data: dict, reward: float) -> None:
-        """Sync; called after a successful export."""
+    def persist_episode_result(self, data: dict, reward: float | None) -> None:
+        """The episode's final reward (``None``: nothing was trained)."""
+
+    def get_failure_reward_for_export(self, data: dict, *, export_style: str) -> float | None:
+        """The reward of every exported interaction of a zero-reward (failed) episode."""
+
+    def get_episode_reward_for_export(
+        self, data: dict, reward: float | None, *, export_style: str
+    ) -> float | None:
+        """The reward of every exported interaction of a successful episode."""
+
+    def record_episode_metrics(self, data: dict, reward: float | None) -> None:
+        """Sync; called after a usable export."""
 
     def record_group_metrics(
         self, data: dict, rewards: list[float | None], group_size: int

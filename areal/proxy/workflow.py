@@ -2,9 +2,12 @@
 
 Per sample: admit a session (grant capacity, start), run the agent with the session's
 credentials, assign its reward, end the session, then export the recorded interactions.
-Failures are classified (see :mod:`areal.proxy.hooks`): a rejected sample raises, a
-model failure trains with reward 0 on the interactions it has. An empty export is a
-rejected sample.
+Failures are classified (see :mod:`areal.proxy.hooks`): a proxy system error always
+rejects; otherwise the agent's ``classify_proxy_failure`` decides. A rejected sample raises
+(or, when the agent's ``should_reject_failed_sample`` says so, is dropped alone); a model
+failure, or any episode in which the proxy saw a context overflow, trains with reward 0 on
+the interactions it has. An empty export yields no trajectory. After a usable export the
+last interaction's reward and the episode's turn count are recorded.
 """
 
 from __future__ import annotations
@@ -12,7 +15,10 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
+from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from areal.api.workflow_api import RolloutWorkflow
 from areal.infra import workflow_context
@@ -22,7 +28,7 @@ from areal.proxy.keys import derive_gateway_key, derive_session_token
 from areal.utils import logging, stats_tracker
 from areal.utils.secrets import SecretStr, reveal
 
-__all__ = ["HARNESS_OUTCOME_METRIC_CODES", "OpenAIProxyWorkflow"]
+__all__ = ["HARNESS_OUTCOME_METRIC_CODES", "OpenAIProxyWorkflow", "record_interaction_stats"]
 
 logger = logging.getLogger("proxy.workflow")
 
@@ -45,6 +51,53 @@ DISPOSITIONS: tuple[FailureDisposition, ...] = (
 
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+def _num_turns(interaction: Any) -> int | None:
+    """Distinct turn ids >= 0 of ``interaction`` (negative ids pad); ``None`` without them."""
+    try:
+        tensors = interaction.to_tensor_dict()
+        turn_ids = tensors.get("turn_ids") if tensors else None
+        if turn_ids is None:
+            return None
+        turn_ids = torch.as_tensor(turn_ids)
+        return int(torch.unique(turn_ids[turn_ids >= 0]).numel())
+    except Exception as e:  # a broken export must not fail the episode over a metric
+        logger.warning("no turn count for interaction %s: %s", getattr(interaction, "id", "?"), e)
+        return None
+
+
+def record_interaction_stats(exported: Mapping[str, Any], scope: str) -> None:
+    """The last exported interaction's ``reward`` (when set) and the episode's turn counts.
+
+    ``num_turns`` counts the turns of the last interaction (a ``concat`` export holds the
+    whole episode, an ``individual`` one its final sequence). Each metric ``M`` records one
+    sample with a boolean denominator ``M_count``: ``num_turns`` always counts,
+    ``num_turns_no_harness_err`` only when the episode is no harness error (its value is
+    recorded masked out otherwise), ``num_turns_harness_err`` and
+    ``num_turns_harness_err/<bucket>`` are recorded only for ``HARNESS_FAILED`` episodes.
+    """
+    if not exported:
+        return
+    tracker = stats_tracker.get("rollout")
+    last = list(exported.values())[-1]
+    if last.reward is not None:
+        tracker.scalar(**{f"{scope}/reward": float(last.reward)})
+    num_turns = _num_turns(last)
+    if num_turns is None:
+        return
+    metadata = getattr(last, "metadata", None) or {}
+    harness_error = metadata.get("arena_status") == "HARNESS_FAILED"
+    code = metadata.get("harness_outcome_code")
+    bucket = code if isinstance(code, str) and code in HARNESS_OUTCOME_METRIC_CODES else "OTHER"
+    metrics = {"num_turns": True, "num_turns_no_harness_err": not harness_error}
+    if harness_error:
+        metrics.update({"num_turns_harness_err": True, f"num_turns_harness_err/{bucket}": True})
+    value = torch.tensor([float(num_turns)])
+    for name, counted in metrics.items():
+        denominator = f"{scope}/{name}_count"
+        tracker.denominator(**{denominator: torch.tensor([counted])})
+        tracker.stat(denominator=denominator, **{f"{scope}/{name}": value})
 
 
 class OpenAIProxyWorkflow(RolloutWorkflow):
@@ -108,24 +161,20 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
                     raise
                 logger.warning("reward not recorded: %s", e)
 
-    def _disposition(self, error: BaseException, diagnostics: dict[str, Any]) -> FailureDisposition:
-        if diagnostics.get("system_error"):
+    def _disposition(
+        self, error: BaseException, *, system_error: bool, overflow: bool, interaction_count: int
+    ) -> FailureDisposition:
+        if system_error:
             return "system_failure_reject"
         classify = self._hook("classify_proxy_failure")
-        if classify is not None:
-            disposition = classify(
-                error,
-                context_overflow=bool(diagnostics.get("context_overflow")),
-                interaction_count=int(diagnostics.get("interaction_count", 0)),
-            )
-            if disposition not in DISPOSITIONS:
-                raise ValueError(f"classify_proxy_failure returned {disposition!r}")
-            return disposition
-        return (
-            "model_failure_zero"
-            if diagnostics.get("context_overflow")
-            else "unknown_failure_reject"
+        if classify is None:
+            return "model_failure_zero" if overflow else "unknown_failure_reject"
+        disposition = classify(
+            error, context_overflow=overflow, interaction_count=interaction_count
         )
+        if disposition not in DISPOSITIONS:
+            raise ValueError(f"classify_proxy_failure returned {disposition!r}")
+        return disposition
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
         context = workflow_context.get()
@@ -150,6 +199,7 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             "worker_runtime": engine,
         }
         error: BaseException | None = None
+        reward: Any = None
         try:
             reward = await self.agent.run(data, **kwargs)
             await self._assign_reward(client, key, reward)
@@ -159,49 +209,89 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         except Exception as e:
             error = e
         diagnostics = await client.end_session(key)
+        overflow = bool(diagnostics.get("context_overflow"))
+        system_error = bool(diagnostics.get("system_error"))
+        interaction_count = int(diagnostics.get("interaction_count", 0))
         scope = workflow_context.stat_scope()
-        tracker = stats_tracker.get("rollout")
 
-        disposition = None
+        def record_session_scalars() -> None:
+            stats_tracker.get("rollout").scalar(
+                **{
+                    f"{scope}/context_overflow": float(overflow),
+                    f"{scope}/proxy_system_error": float(system_error),
+                }
+            )
+
+        # --- failure disposition ---
+        if error is None and overflow and system_error:
+            # an overflow next to a backend failure may be the backend's doing: never train it
+            error = RuntimeError(
+                f"session {session_id} saw a context overflow and a proxy system failure; "
+                "the episode is rejected as a system failure"
+            )
+        disposition: FailureDisposition | None = None
         if error is not None:
-            disposition = self._disposition(error, diagnostics)
+            disposition = self._disposition(
+                error,
+                system_error=system_error,
+                overflow=overflow,
+                interaction_count=interaction_count,
+            )
             await self._call_hook("record_failure_disposition", data, error, disposition)
-            if disposition.endswith("_reject"):
-                tracker.scalar(
-                    **{
-                        f"{scope}/context_overflow": float(
-                            bool(diagnostics.get("context_overflow"))
-                        ),
-                        f"{scope}/proxy_system_error": float(bool(diagnostics.get("system_error"))),
-                    }
-                )
+            if not system_error and await self._call_hook(
+                "should_reject_failed_sample", error, disposition
+            ):
+                record_session_scalars()
+                await self._call_hook("persist_episode_result", data, None)
+                return None  # only this sample is dropped; its group siblings are kept
+            if disposition != "model_failure_zero":
+                record_session_scalars()
+                await self._call_hook("persist_episode_result", data, None)
                 raise error
-        forced_reward = None
-        if diagnostics.get("context_overflow") or disposition == "model_failure_zero":
-            if int(diagnostics.get("interaction_count", 0)) == 0:
+        record_session_scalars()
+
+        # --- recovery with a zero reward, or the agent's reward ---
+        recovering = overflow or disposition == "model_failure_zero"
+        last_reward = None
+        if recovering:
+            if interaction_count == 0:
                 await self._call_hook("persist_episode_result", data, None)
                 return None
-            forced_reward = 0.0  # a model failure trains as a zero reward (set at export)
+            last_reward = 0.0  # overrides a successful agent's reward after an overflow
+            episode_reward = await self._call_hook(
+                "get_failure_reward_for_export", data, export_style=self.export_style
+            )
+        elif isinstance(reward, (int, float)) and not isinstance(reward, bool):
+            episode_reward = await self._call_hook(
+                "get_episode_reward_for_export",
+                data,
+                float(reward),
+                export_style=self.export_style,
+            )
+        else:
+            episode_reward = None
 
+        # --- export ---
         exported = await client.export(
-            session_id, self.discount, self.export_style, self.drop_retry_orphans, forced_reward
+            session_id, self.discount, self.export_style, self.drop_retry_orphans, last_reward
         )
         if not exported:
             await self._call_hook("persist_episode_result", data, None)
             return None
+        if episode_reward is not None:
+            for interaction in exported.values():
+                interaction.set_reward_value(float(episode_reward))
         episode_metadata = await self._call_hook("get_episode_metadata") or {}
         for interaction in exported.values():
             interaction.metadata.update(episode_metadata)
-        last_reward = list(exported.values())[-1].reward
-        last_reward = 0.0 if last_reward is None else float(last_reward)
-        await self._call_hook("persist_episode_result", data, last_reward)
-        tracker.scalar(
-            **{f"{scope}/reward": last_reward, f"{scope}/num_interactions": float(len(exported))}
-        )
+        final_reward = list(exported.values())[-1].reward
+        final_reward = None if final_reward is None else float(final_reward)
+        await self._call_hook("persist_episode_result", data, final_reward)
+        record_interaction_stats(exported, scope)
         record = self._hook("record_episode_metrics")
         if record is not None:
             try:
-                record(data, last_reward)
+                record(data, final_reward)
             except Exception:
                 logger.exception("agent hook record_episode_metrics failed")
         return exported

@@ -37,6 +37,7 @@ __all__ = [
     "export",
     "export_all",
     "get",
+    "merge_exports",
     "record_timing",
     "scalar",
     "scope",
@@ -166,13 +167,22 @@ class StatsTracker:
     # --- export ---
 
     def export(
-        self, key: str | None = None, reduce_group: Any = None, reset: bool = True
+        self,
+        key: str | None = None,
+        reduce_group: Any = None,
+        reset: bool = True,
+        mergeable: bool = False,
     ) -> dict[str, float]:
         """Reduce everything recorded (or only keys under ``key``) to floats.
 
         With a ``torch.distributed`` ``reduce_group`` the sums, counts, minima and maxima
         are all-reduced first, so every rank gets the global values; every rank must then
         have recorded the same keys.
+
+        ``mergeable`` adds, for every exported key, how exports of several processes
+        combine (see :func:`merge_exports`): ``<key>__count`` for a mean (its weight),
+        ``<key>__sum``, ``<key>__min`` or ``<key>__max`` (value 1) otherwise. Scalars
+        always carry their ``__count``.
         """
         with self._lock:
             keys = sorted(
@@ -180,7 +190,7 @@ class StatsTracker:
             )
             result: dict[str, float] = {}
             for k in keys:
-                result.update(self._reduce(k, reduce_group))
+                result.update(self._reduce(k, reduce_group, mergeable))
             if reset:
                 for k in keys:
                     self._values.pop(k, None)
@@ -188,7 +198,7 @@ class StatsTracker:
                     self._masks.pop(k, None)
             return result
 
-    def _reduce(self, key: str, group: Any) -> dict[str, float]:
+    def _reduce(self, key: str, group: Any, mergeable: bool = False) -> dict[str, float]:
         kind = self._kinds[key]
         records = self._values[key]
         if kind is ReduceType.SCALAR:
@@ -198,7 +208,7 @@ class StatsTracker:
             return {key: total / count, f"{key}__count": count}
         if key in self._masks:  # a denominator: count of true elements
             (total,) = _all_reduce_sum([float(sum(int(m.sum()) for m in records))], group)
-            return {key: total}
+            return {key: total, f"{key}__sum": 1.0} if mergeable else {key: total}
         values = torch.cat([v[mask].flatten() for v, mask in records])
         total, count = _all_reduce_sum([float(values.sum()), float(values.numel())], group)
         vmin = _all_reduce_extreme(
@@ -209,18 +219,22 @@ class StatsTracker:
         )
         if count == 0:
             return {}
-        out = {
-            ReduceType.AVG_MIN_MAX: {
-                f"{key}/avg": total / count,
-                f"{key}/min": vmin,
-                f"{key}/max": vmax,
-            },
-            ReduceType.AVG: {key: total / count},
-            ReduceType.SUM: {key: total},
-            ReduceType.MIN: {key: vmin},
-            ReduceType.MAX: {key: vmax},
-        }
-        return out[kind]
+        parts = {
+            ReduceType.AVG_MIN_MAX: (
+                (f"{key}/avg", total / count, "count"),
+                (f"{key}/min", vmin, "min"),
+                (f"{key}/max", vmax, "max"),
+            ),
+            ReduceType.AVG: ((key, total / count, "count"),),
+            ReduceType.SUM: ((key, total, "sum"),),
+            ReduceType.MIN: ((key, vmin, "min"),),
+            ReduceType.MAX: ((key, vmax, "max"),),
+        }[kind]
+        out = {name: value for name, value, _ in parts}
+        if mergeable:
+            for name, _, how in parts:
+                out[f"{name}__{how}"] = count if how == "count" else 1.0
+        return out
 
 
 def _dist_ready(group: Any) -> bool:
@@ -270,6 +284,42 @@ def export_all(reduce_group: Any = None, reset: bool = True) -> dict[str, float]
     return result
 
 
+_MERGE_TAGS = ("__count", "__sum", "__min", "__max")
+
+
+def merge_exports(exports: list[dict[str, float]]) -> dict[str, float]:
+    """Combine ``export(mergeable=True)`` results of several processes into one.
+
+    A key with a ``__count`` is the count-weighted mean over the exports, one tagged
+    ``__sum`` their sum, ``__min`` / ``__max`` their extreme. Untagged keys are dropped
+    (nothing says how to combine them); the tags themselves are not returned.
+    """
+    totals: dict[str, float] = {}
+    weights: dict[str, float] = {}
+    for stats in exports:
+        for key, value in stats.items():
+            if key.endswith(_MERGE_TAGS):
+                continue
+            if f"{key}__count" in stats:
+                weight = stats[f"{key}__count"]
+                totals[key] = totals.get(key, 0.0) + value * weight
+                weights[key] = weights.get(key, 0.0) + weight
+            elif f"{key}__sum" in stats:
+                totals[key] = totals.get(key, 0.0) + value
+            elif f"{key}__min" in stats:
+                totals[key] = min(totals.get(key, math.inf), value)
+            elif f"{key}__max" in stats:
+                totals[key] = max(totals.get(key, -math.inf), value)
+    out = {}
+    for key, total in totals.items():
+        if key in weights:
+            if weights[key] > 0:
+                out[key] = total / weights[key]
+        else:
+            out[key] = total
+    return out
+
+
 def scope(name: str) -> _Scope:
     return get().scope(name)
 
@@ -291,6 +341,6 @@ def record_timing(key: str):
 
 
 def export(
-    key: str | None = None, reduce_group: Any = None, reset: bool = True
+    key: str | None = None, reduce_group: Any = None, reset: bool = True, mergeable: bool = False
 ) -> dict[str, float]:
-    return get().export(key=key, reduce_group=reduce_group, reset=reset)
+    return get().export(key=key, reduce_group=reduce_group, reset=reset, mergeable=mergeable)

@@ -42,16 +42,13 @@ from urllib.parse import urlsplit
 from areal.proxy.hooks import FailureDisposition
 from areal.utils import logging
 from areal.utils.secrets import redact_url, reveal
-from examples.swe.arena_agent_common import bounded, clean_text, describe_error, scrub_secrets
+from examples.swe.arena_agent_common import bounded, clean_text, scrub_secrets
 from examples.swe.arena_audit import AuditShardWriter, audit_record
 from examples.swe.arena_client import LLM_PROTOCOLS, ArenaOpenAPIClient
 from examples.swe.arena_config import load_arena_stream_configs
-from examples.swe.arena_failures import (
-    classify_failure,
-    harness_outcome_code,
-    needs_runner_receipt,
-    strict_rejects_sample,
-)
+from examples.swe.arena_failures import classify_proxy_failure as classify_task_failure
+from examples.swe.arena_failures import harness_outcome_bucket, harness_outcome_code
+from examples.swe.arena_failures import should_reject_failed_sample as rejects_failed_sample
 from examples.swe.arena_metrics import (
     record_arena_scalars,
     record_episode_scores,
@@ -85,7 +82,6 @@ logger = logging.getLogger("arena.agent")
 
 ROUTE_MODES = ("gateway", "session_gateway", "direct")
 SESSION_ID_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,199}")
-RECEIPT_FETCH_TIMEOUT = 15.0  # seconds, capped further by arena_request_timeout
 
 
 def _setting(econfig: Any, key: str, default: Any) -> Any:
@@ -146,8 +142,9 @@ class ArenaStreamAgentWorkflow:
         econfig: the ``econfig`` block (a mapping or ``SWEEnvConfig``).
         gen_args: sampling arguments, attached to each proxy session as metadata.
         timeout: seconds one episode may take, used when ``econfig`` has no ``timeout``.
-        reject_terminal_task_failures: switch to the stricter failure attribution (only
-            a recognized ``HARNESS_FAILED`` result trains as a zero reward).
+        reject_terminal_task_failures: drop a rejected ``HARNESS_FAILED``, ``NO_OUTPUT``,
+            ``TIMEOUT`` or ``EVAL_FAILED`` sample on its own (its group siblings are kept)
+            instead of failing the rollout; it changes no disposition.
         arena_client: a ready client (tests inject fake transports through it); by
             default one is built from ``econfig`` and the environment.
     """
@@ -348,7 +345,7 @@ class ArenaStreamAgentWorkflow:
         try:
             live = await bounded(
                 self.client.resolve_stream_async(
-                    launch.stream_id, client=launch.http, timeout=self.request_timeout
+                    stream_id=launch.stream_id, client=launch.http, timeout=self.request_timeout
                 ),
                 self.request_timeout,
             )
@@ -406,10 +403,10 @@ class ArenaStreamAgentWorkflow:
     async def _register_gateway_route(self, launch: _Launch) -> tuple[str, str]:
         return await bounded(
             self.client.register_llm_proxy_async(
-                launch.model_name,
-                launch.proxy_url,
-                launch.api_key,
-                launch.deployment_id,
+                model_name=launch.model_name,
+                upstream_base_url=launch.proxy_url,
+                upstream_api_key=launch.api_key,
+                deployment_id=launch.deployment_id,
                 protocol=launch.protocol,
                 client=launch.http,
                 timeout=self.registration_timeout,
@@ -483,8 +480,8 @@ class ArenaStreamAgentWorkflow:
         try:
             async with asyncio.timeout(self.timeout) as deadline:
                 outcome = await self.client.launch_one_task_result(
-                    launch.stream_id,
-                    launch.data_id,
+                    stream_id=launch.stream_id,
+                    data_id=launch.data_id,
                     model_name=launch.model_name,
                     proxy_base_url=launch.url,
                     proxy_api_key=launch.key,
@@ -497,7 +494,6 @@ class ArenaStreamAgentWorkflow:
         except ArenaTaskFailedError as error:
             record_arena_scalars(terminal_success=0.0, call_success=0.0)
             launch.episode.result = error.result
-            await self._attach_harness_receipt(error, launch.http)
             raise
         except asyncio.CancelledError:
             if accepted:
@@ -559,25 +555,6 @@ class ArenaStreamAgentWorkflow:
             f"Arena launch returned {type(outcome).__name__}, not a task result or a number"
         )
 
-    async def _attach_harness_receipt(self, error: ArenaTaskFailedError, http: Any) -> None:
-        """Fetch the Harness receipt of a native-runner failure (when the client can)."""
-        if not needs_runner_receipt(error):
-            return
-        fetch = getattr(self.client, "get_harness_result_async", None)
-        if fetch is None:  # the receipt endpoint is not part of this client yet
-            return
-        timeout = min(self.request_timeout, RECEIPT_FETCH_TIMEOUT)
-        try:
-            error.harness_result = await bounded(
-                fetch(error.task_id, client=http, timeout=timeout), timeout
-            )
-        except Exception as e:
-            logger.warning(
-                "could not fetch the Harness receipt of task %s: %s",
-                error.task_id,
-                describe_error(e),
-            )
-
     # --- rewards ---
 
     def _transform_reward(
@@ -619,26 +596,24 @@ class ArenaStreamAgentWorkflow:
 
     # --- hooks called by the proxy workflow ---
 
+    @staticmethod
     def classify_proxy_failure(
-        self, error: BaseException, *, context_overflow: bool, interaction_count: int
+        error: BaseException, *, context_overflow: bool, interaction_count: int
     ) -> FailureDisposition:
         """``model_failure_zero`` (train with reward 0) or a reject disposition.
 
-        Baseline rules unless the workflow was built with ``reject_terminal_task_failures``,
-        which selects the stricter attribution (only a recognized ``HARNESS_FAILED``).
+        Only a ``HARNESS_FAILED`` result that proves a model failure trains as zero (see
+        :mod:`examples.swe.arena_failures`); class-level, it reads no instance state.
         """
-        return classify_failure(
-            error,
-            strict=self.reject_terminal_task_failures,
-            context_overflow=context_overflow,
-            interaction_count=interaction_count,
+        return classify_task_failure(
+            error, context_overflow=context_overflow, interaction_count=interaction_count
         )
 
     def should_reject_failed_sample(
         self, error: BaseException, disposition: FailureDisposition
     ) -> bool:
         """With ``reject_terminal_task_failures``: drop only this failed group member."""
-        return self.reject_terminal_task_failures and strict_rejects_sample(error, disposition)
+        return self.reject_terminal_task_failures and rejects_failed_sample(error, disposition)
 
     async def record_failure_disposition(
         self, data: Mapping[str, Any], error: BaseException, disposition: FailureDisposition
@@ -657,7 +632,7 @@ class ArenaStreamAgentWorkflow:
         if episode.result is not None and not episode.dumped:
             await self._dump(data, episode, episode.result, training_score=reward)
 
-    def record_episode_metrics(self, data: Mapping[str, Any], reward: float) -> None:
+    def record_episode_metrics(self, data: Mapping[str, Any], reward: float | None) -> None:
         """Per-episode metrics after a successful export (``run`` records no reward)."""
         episode = self._current_episode()
         try:
@@ -728,7 +703,7 @@ class ArenaStreamAgentWorkflow:
         return {
             "arena_task_id": result.task_id if result is not None else None,
             "session_id": episode.session_id,
-            "harness_outcome_code": harness_outcome_code(result.raw) if failed else None,
+            "harness_outcome_code": harness_outcome_bucket(result.raw) if failed else None,
         }
 
     async def _dump_local_status(self, launch: _Launch, task_id: str, status: str) -> None:

@@ -526,9 +526,9 @@ class ArenaOpenAPIClient:
         return (yield from self._poll_flow(result.task_id))
 
     def _poll_flow(self, task_id: str) -> Flow[ArenaTaskResult]:
+        """Poll right after the launch, then every ``poll_interval`` until terminal."""
         request = ArenaRequest("GET", f"{API}/tasks/{encode_path(task_id)}/result")
         while True:
-            yield Pause(self.poll_interval)
             payload = self._http.read_json((yield request), request)
             result = _parse_task_result(payload, fallback_task_id=task_id)
             if result.task_id != task_id:
@@ -544,6 +544,7 @@ class ArenaOpenAPIClient:
                         f"Arena task {task_id} is {result.status} without a top-level 'score'"
                     )
                 return result
+            yield Pause(self.poll_interval)
 
     async def launch_one_task_result(
         self,

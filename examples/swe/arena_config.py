@@ -170,7 +170,9 @@ def _stream_list(document: Any, source: str) -> list[Any]:
     if isinstance(document, Mapping):
         unknown = sorted(str(k) for k in document if k != "streams")
         if unknown:
-            raise ValueError(f"{source} has unknown top-level keys: {', '.join(unknown)}")
+            raise ValueError(
+                f"{source} has unknown top-level fields: {', '.join(unknown)} (only 'streams')"
+            )
         document = document.get("streams")
     if not isinstance(document, list) or not document:
         raise ValueError(f"{source} must contain a non-empty 'streams' list")
@@ -328,7 +330,8 @@ def build_weighted_arena_rows(
             raise ValueError(f"Arena Stream {s.name!r} ({s.stream_id}) contains no dataset rows")
         capacity[s.name] = len(rows)
     mass = {s.name: capacity[s.name] * s.sampling_weight for s in streams}
-    total_mass = math.fsum(mass.values())
+    # A plain sum: math.fsum raises OverflowError where finite masses add up past float max.
+    total_mass = sum(mass.values())
     if not all(math.isfinite(m) and m > 0 for m in mass.values()) or not (
         math.isfinite(total_mass) and total_mass > 0
     ):

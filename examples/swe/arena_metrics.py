@@ -8,8 +8,8 @@ from typing import Any
 from areal.infra import workflow_context
 from areal.utils import stats_tracker
 from examples.swe.arena_agent_common import clean_text
-from examples.swe.arena_failures import harness_error_buckets
-from examples.swe.arena_results import SUCCESS_TASK_STATUSES, ArenaTaskResult, normalize_status
+from examples.swe.arena_failures import harness_error_metrics
+from examples.swe.arena_results import SUCCESS_TASK_STATUSES, ArenaTaskResult
 from examples.swe.arena_types import ArenaStreamConfig
 
 __all__ = ["record_arena_scalars", "record_episode_scores", "record_group_pass_rates"]
@@ -37,15 +37,26 @@ def _task_type(data: Mapping[str, Any]) -> str:
 
 def record_episode_scores(
     data: Mapping[str, Any],
-    reward: float,
+    reward: float | None,
     result: ArenaTaskResult | None,
     stream: ArenaStreamConfig | None,
 ) -> None:
-    """The training reward and, when a result is known, its Arena score and Harness status."""
+    """The training reward and the task's Harness status and Arena score (exported episodes).
+
+    ``harness_error/<CODE>`` and ``harness_error/OTHER`` are recorded for every exported
+    episode (0 unless it is a harness error), so their means are rates over all exported
+    episodes.
+    """
     task_type = _task_type(data)
-    values: dict[str, float] = {"training_score": reward}
-    if stream is not None:
-        values[f"stream/{stream.name}/training_score"] = reward
+    values: dict[str, float] = {}
+    if reward is not None:
+        values["training_score"] = reward
+        if stream is not None:
+            values[f"stream/{stream.name}/training_score"] = reward
+    status = result.status if result is not None else None
+    values["harness_success"] = float(status in SUCCESS_TASK_STATUSES)
+    values["harness_error"] = float(status == "HARNESS_FAILED")
+    values.update(harness_error_metrics(status, result.raw if result is not None else None))
     if result is not None and result.score is not None:
         score = result.score
         values.update(
@@ -64,14 +75,9 @@ def record_episode_scores(
         data_id = clean_text(data.get("data_id"))
         if data_id:
             stats_tracker.get("rollout").scalar(**{f"debug/task/{data_id}/raw_reward": score})
-    if result is not None:
-        status = normalize_status(result.status)
-        values["harness_success"] = float(status in SUCCESS_TASK_STATUSES)
-        values["harness_error"] = float(status == "HARNESS_FAILED")
-        if status == "HARNESS_FAILED":
-            values.update(harness_error_buckets(result.raw))
-    values[f"{task_type}/reward"] = reward
-    values[f"domain/{task_type}/reward"] = reward
+    if reward is not None:
+        values[f"{task_type}/reward"] = reward
+        values[f"domain/{task_type}/reward"] = reward
     _record_scoped(values)
 
 

@@ -6,8 +6,9 @@ For each Stream, in this order: the Stream exists and is ``ACTIVE``; its grader
 (``default_reward_ref``) has not drifted from ``expected_reward_ref``; its Harness
 ``key@version`` exists and is ``PUBLISHED``; its dataset has at least one row; and its
 recent tasks of exactly this Harness and grader are healthy (enough terminal tasks, failure
-rate below the bound). It only reads; it never launches a task. Streams are checked
-concurrently, but results and the first error are reported in configuration order.
+rate below the bound). It only reads; it never launches a task. Streams are checked one
+after another in configuration order; the first failure ends the run, and no request is
+sent for the Streams after it.
 
 On success the JSON report goes to stdout (exit 0) and a summary table to stderr. Usage
 errors exit 2; any failed check, bad config or HTTP error prints one error line and exits
@@ -21,7 +22,6 @@ import json
 import os
 import sys
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -283,13 +283,13 @@ def validate_streams(
     max_failure_rate: float = 0.8,
     allow_unhealthy: bool = False,
     http: PreflightHTTP | None = None,
-    max_workers: int = 8,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """Check every Stream of a streams document; the report records in configured order.
+    """Check every Stream of a streams document, in configured order; their report records.
 
-    Raises the first failure in configured order (``ValueError`` for bad parameters or
-    config, ``ArenaAPIError`` for failed checks and HTTP errors).
+    Streams are checked one at a time; the first failure is raised at once (``ValueError``
+    for bad parameters or config, ``ArenaAPIError`` for failed checks and HTTP errors) and
+    nothing is sent for the Streams after it.
     """
     timeout = _float_env("ARENA_PREFLIGHT_HTTP_TIMEOUT", DEFAULT_HTTP_TIMEOUT)
     connect_timeout = _float_env("ARENA_PREFLIGHT_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT)
@@ -320,22 +320,13 @@ def validate_streams(
         "max_failure_rate": max_failure_rate,
         "allow_unhealthy": allow_unhealthy,
     }
-    done = 0
+    results = []
     try:
-        with ThreadPoolExecutor(max_workers=max(1, min(max_workers, len(streams)))) as pool:
-            futures = [pool.submit(check_stream, http, s, **checks) for s in streams]
-            results = []
-            for future in futures:  # configuration order, whatever finishes first
-                try:
-                    results.append(future.result())
-                except BaseException:
-                    for pending in futures:
-                        pending.cancel()
-                    raise
-                done += 1
-                if on_progress is not None:
-                    on_progress(done, len(streams))
-            return results
+        for stream in streams:
+            results.append(check_stream(http, stream, **checks))
+            if on_progress is not None:
+                on_progress(len(results), len(streams))
+        return results
     finally:
         if own_http:
             http.close()

@@ -24,10 +24,12 @@ __all__ = [
 ]
 
 SUCCESS_TASK_STATUSES = frozenset({"DONE", "OK"})
+# ERROR is a grader error: the result endpoint may report it even for a task that was DONE.
 FAILED_TASK_STATUSES = frozenset(
     {
         "CANCELLED",
         "COLLECT_FAILED",
+        "ERROR",
         "EVAL_FAILED",
         "FAILED",
         "HARNESS_FAILED",
@@ -76,11 +78,12 @@ class ArenaTaskFailedError(ArenaAPIError):
         self.status = status
         self.payload = dict(payload) if isinstance(payload, Mapping) else {}
         self.result = result
-        self.harness_result: Any = None
+        self.harness_result: Any = None  # unused: the reference fetches no Harness receipt
         super().__init__(f"Arena task {task_id} ended with status {status}")
 
 
 def normalize_status(status: str) -> str:
+    """A status as the envelope parser stores it; the failure rules then compare exactly."""
     return status.strip().upper()
 
 

@@ -170,8 +170,9 @@ def _run_rollout_tasks(
 ) -> tuple[list[tuple[str, float]], list[str]]:
     """Run one agent rollout per row; ``([(data_id, reward)], [failed data_id])``.
 
-    ``controller`` is anything with ``submit(data, workflow, workflow_kwargs, **kw) ->
-    task_id`` and ``wait_for_task(task_id)`` (the inference engine). All rows are submitted
+    ``controller`` is anything with ``submit(*, data, workflow, workflow_kwargs, **kw) ->
+    task_id`` and ``wait_for_task(*, task_id)`` (the inference engine), called with
+    keyword arguments only, so keyword-only wrappers work too. All rows are submitted
     before any is awaited, so they run concurrently. A row fails when its submission
     raises, when its trajectory is ``None`` (rejected) or when waiting raises; the other
     rows still count.
@@ -184,7 +185,12 @@ def _run_rollout_tasks(
     for row in rows:
         data_id = str(row.get("data_id", ""))
         try:
-            task_id = controller.submit(dict(row), ARENA_WORKFLOW, workflow_kwargs, **submit_kwargs)
+            task_id = controller.submit(
+                data=dict(row),
+                workflow=ARENA_WORKFLOW,
+                workflow_kwargs=workflow_kwargs,
+                **submit_kwargs,
+            )
         except Exception as e:
             logger.error("submitting Arena row %s failed: %s", data_id, e)
             failed.append(data_id)
@@ -193,7 +199,7 @@ def _run_rollout_tasks(
     completed: list[tuple[str, float]] = []
     for data_id, task_id in submitted:
         try:
-            trajectory = controller.wait_for_task(task_id)
+            trajectory = controller.wait_for_task(task_id=task_id)
             if trajectory is None:
                 logger.warning("Arena row %s was rejected", data_id)
                 failed.append(data_id)
@@ -278,7 +284,12 @@ def registry_smoke(
 
         error: BaseException | None = None
         try:
-            arena.register_llm_proxy(model_name, base, session_key, protocol="chat_completions")
+            arena.register_llm_proxy(
+                model_name=model_name,
+                upstream_base_url=base,
+                upstream_api_key=session_key,
+                protocol="chat_completions",
+            )
             logger.info("registry smoke: route %s -> %s registered", model_name, base)
             if serve_seconds > 0:
                 logger.info("registry smoke: serving the route for %.0f s", serve_seconds)
@@ -286,7 +297,7 @@ def registry_smoke(
         except BaseException as e:  # Ctrl-C while serving still cleans up
             error = e
         cleanups = (
-            lambda: arena.delete_llm_proxy(model_name),
+            lambda: arena.delete_llm_proxy(model_name=model_name),
             lambda: http.post(
                 f"{base}/rl/end_session", headers={"Authorization": f"Bearer {session_key}"}
             ).raise_for_status(),
@@ -338,10 +349,13 @@ def main(argv: Sequence[str]) -> int:
             experiment_name=config.rollout.experiment_name or config.experiment_name,
             trial_name=config.rollout.trial_name or config.trial_name,
         )
-        engine = RemoteSGLangEngine(rollout_config)
+        engine = RemoteSGLangEngine(config=rollout_config)
         try:
-            engine.initialize(addr=engine.launch_local_server(_server_args(config)))
-            proxy_addr = engine.launch_proxy(config.tokenizer_path or config.actor.path)
+            server_addr = engine.launch_local_server(server_args=_server_args(config))
+            engine.initialize(addr=server_addr)
+            proxy_addr = engine.launch_proxy(
+                tokenizer_path=config.tokenizer_path or config.actor.path
+            )
             if args.registry_smoke:
                 with ArenaOpenAPIClient(
                     base_url=econfig.arena_base_url,
@@ -372,9 +386,9 @@ def main(argv: Sequence[str]) -> int:
     )
     if failed:
         logger.warning("failed rows: %s", ", ".join(failed))
-    stats_logger = StatsLogger(config)  # stats.jsonl, TensorBoard and W&B when configured
+    stats_logger = StatsLogger(config=config)  # stats.jsonl, TensorBoard and W&B when configured
     try:
-        stats_logger.commit(0, 0, 0, summary.as_stats())
+        stats_logger.commit(epoch=0, step=0, global_step=0, data=summary.as_stats())
     finally:
         stats_logger.close()
     return 0 if summary.completed else 1

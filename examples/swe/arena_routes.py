@@ -63,7 +63,9 @@ class _SessionRoute:
         """Whether Arena still has this route (one bounded GET)."""
         timeout = self.registration_timeout
         return await bounded(
-            self.client.llm_proxy_exists_async(self.model_name, client=self.http, timeout=timeout),
+            self.client.llm_proxy_exists_async(
+                model_name=self.model_name, client=self.http, timeout=timeout
+            ),
             timeout,
         )
 
@@ -132,10 +134,10 @@ class SessionGatewayRegistry:
         try:
             gateway_url, _ = await bounded(
                 client.register_llm_proxy_async(
-                    model_name,
-                    key[1],
-                    gateway_key,
-                    f"session-{suffix}",
+                    model_name=model_name,
+                    upstream_base_url=key[1],
+                    upstream_api_key=gateway_key,
+                    deployment_id=f"session-{suffix}",
                     protocol="chat_completions",
                     client=http,
                     timeout=registration_timeout,
@@ -200,10 +202,10 @@ class SessionGatewayRegistry:
         try:
             await bounded(
                 route.client.register_llm_proxy_async(
-                    route.model_name,
-                    route.upstream_url,
-                    route.gateway_key,
-                    route.deployment_id,
+                    model_name=route.model_name,
+                    upstream_base_url=route.upstream_url,
+                    upstream_api_key=route.gateway_key,
+                    deployment_id=route.deployment_id,
                     protocol="chat_completions",
                     client=route.http,
                     timeout=timeout,
@@ -292,7 +294,7 @@ class SessionGatewayRegistry:
                 logger.warning("could not cancel the probe of %s: %s", route.model_name, e)
         for route in routes:
             try:
-                route.client.delete_llm_proxy(route.model_name)
+                route.client.delete_llm_proxy(model_name=route.model_name)
             except Exception as e:
                 logger.warning(
                     "could not delete Arena route %s at shutdown: %s",
@@ -339,7 +341,8 @@ async def delete_route(
     """Best-effort, bounded DELETE of a route; records ``arena/cleanup_success``."""
     try:
         await bounded(
-            client.delete_llm_proxy_async(model_name, client=http, timeout=timeout), timeout
+            client.delete_llm_proxy_async(model_name=model_name, client=http, timeout=timeout),
+            timeout,
         )
     except Exception as e:
         record_arena_scalars(cleanup_success=0.0)
@@ -369,7 +372,8 @@ async def renew_gateway_route(
         await asyncio.sleep(interval)
         try:
             present = await bounded(
-                client.renew_llm_proxy_async(model_name, client=http, timeout=timeout), timeout
+                client.renew_llm_proxy_async(model_name=model_name, client=http, timeout=timeout),
+                timeout,
             )
             if not present:
                 logger.warning("Arena route %s vanished; re-registering it", model_name)

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from datasets import Dataset
 
 from areal.api.cli_args import conf_as_dict, load_expr_config
 from areal.api.config.support import refuse_unsupported
@@ -54,6 +55,7 @@ __all__ = [
     "SWE_WORKFLOW",
     "TrainingInputs",
     "arena_client",
+    "as_dataset",
     "build_training_inputs",
     "build_workflow_kwargs",
     "get_arena_dataset",
@@ -125,7 +127,7 @@ def resolve_arena_stream(
     id, the resolved protocol and the *actual* grader as ``expected_reward_ref``, so an
     unpinned Stream is pinned to the grader that was live when the run started.
     """
-    live = client.resolve_stream(configured.stream_id)
+    live = client.resolve_stream(stream_id=configured.stream_id)
     stream_id = live.get("stream_id")
     if not isinstance(stream_id, str) or not stream_id:
         raise ArenaAPIError(f"Arena Stream {configured.name!r} resolved without a stream_id")
@@ -155,8 +157,21 @@ def get_stream_rows(client: ArenaOpenAPIClient, stream: ArenaStreamConfig) -> li
             "reward_ref_key": ref.key,
             "reward_ref_version": ref.version,
         }
-        for row in client.get_all_dataset_rows(stream.stream_id, stream.llm_protocol)
+        for row in client.get_all_dataset_rows(
+            stream_id=stream.stream_id, llm_protocol=stream.llm_protocol
+        )
     ]
+
+
+def as_dataset(rows: Sequence[Mapping[str, Any]]) -> Dataset:
+    """A ``datasets.Dataset`` of ``rows`` with every key of every row as a column.
+
+    ``Dataset.from_list`` takes its columns from the first row only; rows are first
+    normalized to the union of all keys (in first-seen order, missing ones as ``None``), so
+    a field absent from the first row survives.
+    """
+    keys = list(dict.fromkeys(key for row in rows for key in row))
+    return Dataset.from_list([{key: row.get(key) for key in keys} for row in rows])
 
 
 def arena_client(econfig: Any) -> ArenaOpenAPIClient:
@@ -170,13 +185,14 @@ def arena_client(econfig: Any) -> ArenaOpenAPIClient:
 
 def get_arena_mixture_dataset(
     econfig: Any, *, size_multiple: int = 1, client: ArenaOpenAPIClient | None = None
-) -> tuple[list[dict[str, Any]], list[ArenaStreamConfig]]:
+) -> tuple[Dataset, list[ArenaStreamConfig]]:
     """One epoch of rows mixed from every configured Stream, and the resolved Streams.
 
     ``econfig`` is the ``econfig`` block (dataclass or mapping). ``size_multiple`` is the
     training batch size: a positive ``arena_mixture_epoch_size`` must be divisible by it,
     and the full union (epoch size 0) is never padded to it. ``client`` replaces the
-    client built from ``econfig`` (tests pass one over a mock transport). Each row has
+    client built from ``econfig`` (tests pass one over a mock transport). The rows are a
+    ``datasets.Dataset`` (the trainer's dataloader indexes it) with the columns
     ``data_id``, ``stream_id``, ``llm_protocol``, ``arena_task_type``,
     ``arena_stream_name``, ``reward_ref_key`` and ``reward_ref_version``.
     """
@@ -216,20 +232,20 @@ def get_arena_mixture_dataset(
             size_multiple,
             remainder,
         )
-    return rows, resolved
+    return as_dataset(rows), resolved
 
 
 def get_arena_dataset(
     econfig: Any, *, client: ArenaOpenAPIClient | None = None
-) -> tuple[list[dict[str, Any]], str]:
-    """Legacy single-Stream form: ``(rows, stream_id)``; an error unless one Stream is set."""
-    rows, streams = get_arena_mixture_dataset(econfig, client=client)
+) -> tuple[Dataset, str]:
+    """Legacy single-Stream form: ``(dataset, stream_id)``; an error unless one Stream is set."""
+    dataset, streams = get_arena_mixture_dataset(econfig, client=client)
     if len(streams) != 1:
         raise ValueError(
             f"get_arena_dataset serves exactly one Arena Stream, got {len(streams)} "
             f"({', '.join(s.name for s in streams)}); use get_arena_mixture_dataset"
         )
-    return rows, streams[0].stream_id
+    return dataset, streams[0].stream_id
 
 
 # --- JSONL datasets ---
@@ -237,8 +253,8 @@ def get_arena_dataset(
 REQUIRED_SWE_KEYS = ("instance_id", "problem_statement")
 
 
-def get_swe_dataset(path: str, split: str = "train", min_items: int = 64) -> list[dict[str, Any]]:
-    """Records of a JSONL SWE dataset, repeated up to ``min_items``.
+def get_swe_dataset(path: str, split: str = "train", min_items: int = 64) -> Dataset:
+    """A JSONL SWE dataset as a ``datasets.Dataset``, repeated up to ``min_items`` records.
 
     Blank lines are skipped; so are records without ``instance_id`` or
     ``problem_statement``, with a warning. Every record gets the union of all keys (the
@@ -274,9 +290,8 @@ def get_swe_dataset(path: str, split: str = "train", min_items: int = 64) -> lis
         )
     if len(records) < min_items:
         records = records * math.ceil(min_items / len(records))
-    keys = list(dict.fromkeys(key for record in records for key in record))
     logger.info("SWE %s dataset %s: %d records", split, path, len(records))
-    return [{key: record.get(key) for key in keys} for record in records]
+    return as_dataset(records)
 
 
 def _dataset_file(path: str, root: str) -> str:
@@ -385,8 +400,8 @@ def pin_streams_for_workers(econfig: Any, streams: list[ArenaStreamConfig]) -> N
 class TrainingInputs:
     """Everything ``PPOTrainer`` needs besides the config."""
 
-    train_dataset: Sequence[dict[str, Any]]
-    valid_dataset: Sequence[dict[str, Any]] | None
+    train_dataset: Dataset
+    valid_dataset: Dataset | None
     workflow: str
     workflow_kwargs: dict[str, Any]
     eval_workflow_kwargs: dict[str, Any]

@@ -66,19 +66,9 @@ class _Task:
 
 
 def merge_worker_stats(per_worker: list[dict[str, float]]) -> dict[str, float]:
-    """Average each scalar over workers, weighted by its ``<key>__count``."""
-    totals: dict[str, float] = collections.defaultdict(float)
-    counts: dict[str, float] = collections.defaultdict(float)
-    for stats in per_worker:
-        for key, value in stats.items():
-            if key.endswith("__count"):
-                continue
-            count = stats.get(f"{key}__count")
-            if count is None:
-                continue  # only scalar records survive the merge
-            totals[key] += value * count
-            counts[key] += count
-    return {k: totals[k] / counts[k] for k in totals if counts[k] > 0}
+    """The rollout workers' stats as one: means weighted by their counts, denominators
+    summed, minima and maxima taken over the workers (see ``stats_tracker.merge_exports``)."""
+    return stats_tracker.merge_exports(per_worker)
 
 
 class RolloutController:

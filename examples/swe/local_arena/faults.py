@@ -18,8 +18,12 @@ while the server runs (``PUT /openapi/v1/local/faults``):
     (for example ``HARNESS_FAILED``, ``TIMEOUT``) without running the harness.
 ``fail_after_harness``
     ``{data_id or stream_id: STATUS}``: the harness runs (its LLM calls happen), then the
-    task ends with the status. ``HARNESS_FAILED`` carries the error text a Claude Code
-    harness reports when its agent phase fails, as a real harness crash after some turns.
+    task ends with the status. ``HARNESS_FAILED:<format>`` picks the result format of the
+    failure, one per result family a training client can attribute to the model
+    (``claude``, ``claude_empty``, ``gameagent``, ``native``, ``runner``) or
+    ``unattributed`` (see :mod:`examples.swe.local_arena.harnesses.results`); plain
+    ``HARNESS_FAILED`` is ``claude``: Claude Code's agent-phase log with the reason
+    "Prompt is too long", as a real harness crash after some turns.
 ``route_ttl_seconds``
     registered LLM routes neither registered nor renewed (``PATCH``) within this many
     seconds (in (0, 86400]) are garbage-collected, as real Arena does with idle routes.
@@ -39,6 +43,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from examples.swe.arena_results import FAILED_TASK_STATUSES, SUCCESS_TASK_STATUSES
+from examples.swe.local_arena.harnesses.results import FAILURE_FORMATS
 
 __all__ = [
     "ERROR_KINDS",
@@ -99,7 +104,7 @@ class FaultConfig:
         if sum(checked.values()) > 1:
             raise FaultError(f"{where}.error_rates: the rates add up to more than 1")
         forced = _statuses(raw, "force_status", where)
-        after = _statuses(raw, "fail_after_harness", where)
+        after = _statuses(raw, "fail_after_harness", where, formats=True)
         latency = raw.get("latency_ms", 0.0)
         if latency is None:
             latency = 0.0
@@ -168,8 +173,11 @@ def _number_in(value: Any, low: float, high: float) -> bool:
     return math.isfinite(number) and low <= number <= high
 
 
-def _statuses(raw: dict[str, Any], key: str, where: str) -> dict[str, str]:
-    """``{target: STATUS}`` of a status-forcing setting, each a terminal status."""
+def _statuses(
+    raw: dict[str, Any], key: str, where: str, *, formats: bool = False
+) -> dict[str, str]:
+    """``{target: STATUS}`` of a status-forcing setting, each a terminal status; with
+    ``formats``, ``HARNESS_FAILED:<format>`` names a failure result format too."""
     entries = raw.get(key) or {}
     if not isinstance(entries, dict):
         raise FaultError(f"{where}.{key} must be a mapping of data_id or stream_id to a status")
@@ -179,7 +187,17 @@ def _statuses(raw: dict[str, Any], key: str, where: str) -> dict[str, str]:
         )
     out: dict[str, str] = {}
     for target, status in entries.items():
-        normalized = str(status).strip().upper()
+        name, colon, fmt = str(status).strip().partition(":")
+        normalized = name.strip().upper()
+        if colon:
+            if not formats or normalized != "HARNESS_FAILED" or fmt not in FAILURE_FORMATS:
+                allowed = ", ".join(f"HARNESS_FAILED:{f}" for f in FAILURE_FORMATS)
+                raise FaultError(
+                    f"{where}.{key}.{target}: {status!r} is not a failure result format"
+                    + (f" (allowed: {allowed})" if formats else "")
+                )
+            out[str(target)] = f"{normalized}:{fmt}"
+            continue
         if normalized not in TERMINAL_STATUSES:
             raise FaultError(
                 f"{where}.{key}.{target}: {status!r} is not a terminal task status "

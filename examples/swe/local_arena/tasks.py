@@ -15,6 +15,12 @@ grader raised               ``EVAL_FAILED``     ``error``
 fault injection             forced status       ``error`` naming the fault
 ==========================  ==================  ==============================
 
+A harness that raises :class:`~examples.swe.local_arena.harnesses.results.HarnessResultError`
+adds its result fields to ``raw`` (a GameAgent outcome code, a receipt). A
+``fail_after_harness`` fault of ``HARNESS_FAILED:<format>`` ends the task with that result
+format (:data:`~examples.swe.local_arena.harnesses.results.FAILURE_FORMATS`; plain
+``HARNESS_FAILED`` is the ``claude`` format) and ``fault_injection: true`` in ``raw``.
+
 Artifacts (the answer and the transcript) go to ``{artifacts}/tasks/{task_id}/``, whose
 ``file://`` URI is the result's ``artifacts_uri``.
 
@@ -56,12 +62,6 @@ logger = logging.getLogger("local_arena.tasks")
 
 RAW_TEXT_LIMIT = 4000
 CLOSE_WAIT_S = 3.0  # how long close() waits for cancelled tasks to unwind
-# What a Claude Code harness reports when its agent phase fails after running (see
-# harnesses/cli.py); the client treats it as the model's failure when turns were recorded.
-AGENT_PHASE_ERROR = (
-    "harness: harness agent phase exited with code 1\n"
-    "harness: agent phase error: claude reported error"
-)
 
 
 @dataclass
@@ -224,13 +224,15 @@ class TaskRunner:
         )
         from examples.swe.local_arena.graders import grade
         from examples.swe.local_arena.harnesses import run_harness
+        from examples.swe.local_arena.harnesses.results import HarnessResultError, failure_fields
 
         try:
             output = await asyncio.wait_for(run_harness(launch.harness, run), timeout)
         except TimeoutError:
             return "TIMEOUT", None, {**base, "error": f"the harness ran past {timeout:g}s"}
         except HarnessError as e:
-            return "HARNESS_FAILED", None, {**base, "error": _redact(str(e), launch)}
+            fields = e.fields if isinstance(e, HarnessResultError) else {}
+            return "HARNESS_FAILED", None, {**base, **fields, "error": _redact(str(e), launch)}
         except Exception as e:  # a bug in a harness is still a harness failure
             logger.exception("harness %s crashed on task %s", launch.harness.ref, record.task_id)
             return (
@@ -247,8 +249,11 @@ class TaskRunner:
         }
         failed = self.faults().status_after_harness(launch.stream.stream_id, launch.row.data_id)
         if failed is not None:
-            error = AGENT_PHASE_ERROR if failed == "HARNESS_FAILED" else f"status {failed} forced"
-            return failed, None, {**details, "error": f"{error} (fault injection)"}
+            status, _, fmt = failed.partition(":")
+            if status == "HARNESS_FAILED":
+                fields = failure_fields(fmt or "claude", str(launch.harness.ref))
+                return status, None, {**details, **fields, "fault_injection": True}
+            return status, None, {**details, "error": f"status {status} forced (fault injection)"}
         if not (output.answer or "").strip():
             return "NO_OUTPUT", None, {**details, "error": "the harness produced no answer"}
         try:

@@ -152,6 +152,162 @@ class FakeArena:
         return httpx.Response(404, json={"error": f"no route for {op}"})
 
 
+class KeywordOnlyArenaClient:
+    """An Arena client whose public methods all take keyword arguments only (``*,``).
+
+    It forwards to a real :class:`ArenaOpenAPIClient` (over a fake transport) and records
+    the name of every call, so a caller that passes anything positionally fails here with
+    a ``TypeError``, as it would on a keyword-only subclass or wrapper of the client.
+    """
+
+    def __init__(self, *, inner: ArenaOpenAPIClient):
+        self._inner = inner
+        self.base_url = inner.base_url
+        self.calls: list[str] = []
+
+    @property
+    def llm_gateway_api_key(self) -> str:
+        return self._inner.llm_gateway_api_key
+
+    def resolve_stream(self, *, stream_id: str = "", client: Any = None) -> dict:
+        self.calls.append("resolve_stream")
+        return self._inner.resolve_stream(stream_id=stream_id, client=client)
+
+    async def resolve_stream_async(
+        self, *, stream_id: str = "", client: Any = None, timeout: float | None = None
+    ) -> dict:
+        self.calls.append("resolve_stream_async")
+        return await self._inner.resolve_stream_async(
+            stream_id=stream_id, client=client, timeout=timeout
+        )
+
+    def get_all_dataset_rows(
+        self, *, stream_id: str, llm_protocol: str = "chat_completions", client: Any = None
+    ) -> list[dict]:
+        self.calls.append("get_all_dataset_rows")
+        return self._inner.get_all_dataset_rows(
+            stream_id=stream_id, llm_protocol=llm_protocol, client=client
+        )
+
+    def register_llm_proxy(
+        self,
+        *,
+        model_name: str,
+        upstream_base_url: str,
+        upstream_api_key: str,
+        deployment_id: str | None = None,
+        protocol: str = "chat_completions",
+        client: Any = None,
+    ) -> tuple[str, str]:
+        self.calls.append("register_llm_proxy")
+        return self._inner.register_llm_proxy(
+            model_name=model_name,
+            upstream_base_url=upstream_base_url,
+            upstream_api_key=upstream_api_key,
+            deployment_id=deployment_id,
+            protocol=protocol,
+            client=client,
+        )
+
+    async def register_llm_proxy_async(
+        self,
+        *,
+        model_name: str,
+        upstream_base_url: str,
+        upstream_api_key: str,
+        deployment_id: str,
+        protocol: str = "chat_completions",
+        client: Any = None,
+        timeout: float = 180.0,
+    ) -> tuple[str, str]:
+        self.calls.append("register_llm_proxy_async")
+        return await self._inner.register_llm_proxy_async(
+            model_name=model_name,
+            upstream_base_url=upstream_base_url,
+            upstream_api_key=upstream_api_key,
+            deployment_id=deployment_id,
+            protocol=protocol,
+            client=client,
+            timeout=timeout,
+        )
+
+    async def llm_proxy_exists_async(
+        self, *, model_name: str, client: Any = None, timeout: float = 180.0
+    ) -> bool:
+        self.calls.append("llm_proxy_exists_async")
+        return await self._inner.llm_proxy_exists_async(
+            model_name=model_name, client=client, timeout=timeout
+        )
+
+    async def renew_llm_proxy_async(
+        self, *, model_name: str, client: Any = None, timeout: float = 180.0
+    ) -> bool:
+        self.calls.append("renew_llm_proxy_async")
+        return await self._inner.renew_llm_proxy_async(
+            model_name=model_name, client=client, timeout=timeout
+        )
+
+    def delete_llm_proxy(self, *, model_name: str, client: Any = None) -> None:
+        self.calls.append("delete_llm_proxy")
+        self._inner.delete_llm_proxy(model_name=model_name, client=client)
+
+    async def delete_llm_proxy_async(
+        self, *, model_name: str, client: Any = None, timeout: float = 180.0
+    ) -> None:
+        self.calls.append("delete_llm_proxy_async")
+        await self._inner.delete_llm_proxy_async(
+            model_name=model_name, client=client, timeout=timeout
+        )
+
+    async def launch_one_task_result(
+        self,
+        *,
+        stream_id: str,
+        data_id: str,
+        model_name: str,
+        proxy_base_url: str,
+        proxy_api_key: str,
+        session_id: str = "",
+        harness: str = "",
+        task_envs: dict[str, str] | None = None,
+        client: Any = None,
+        on_launch_success: Callable[[str | None], Any] | None = None,
+    ) -> Any:
+        self.calls.append("launch_one_task_result")
+        return await self._inner.launch_one_task_result(
+            stream_id=stream_id,
+            data_id=data_id,
+            model_name=model_name,
+            proxy_base_url=proxy_base_url,
+            proxy_api_key=proxy_api_key,
+            session_id=session_id,
+            harness=harness,
+            task_envs=task_envs,
+            client=client,
+            on_launch_success=on_launch_success,
+        )
+
+    def close(self) -> None:
+        self._inner.close()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+class FakeClock:
+    """Stands in for the ``time`` module of :mod:`examples.swe.arena_routes` in tests that
+    throttle route probes: the test advances it, so no outcome depends on machine speed."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class FakeRuntime:
     """A rollout engine stand-in: keeps the first destroy callback per key."""
 
@@ -191,9 +347,11 @@ def make_agent(
     retries: int = 0,
     llm_key: str = LLM_KEY,
     flag: bool = False,
+    keyword_only: bool = False,
     **econfig: Any,
 ) -> ArenaStreamAgentWorkflow:
-    """An agent on the legacy single Stream ``stream-a`` (econfig keys override)."""
+    """An agent on the legacy single Stream ``stream-a`` (econfig keys override);
+    ``keyword_only`` hands it a :class:`KeywordOnlyArenaClient`."""
     settings: dict[str, Any] = {
         "stream_id": "stream-a",
         "arena_harness": HARNESS,
@@ -202,7 +360,9 @@ def make_agent(
         "timeout": 30.0,
     }
     settings.update(econfig)
-    client = make_client(fake, retries=retries, llm_key=llm_key)
+    client: Any = make_client(fake, retries=retries, llm_key=llm_key)
+    if keyword_only:
+        client = KeywordOnlyArenaClient(inner=client)
     return ArenaStreamAgentWorkflow(
         settings, reject_terminal_task_failures=flag, arena_client=client
     )

@@ -10,6 +10,7 @@ import re
 import httpx
 import pytest
 
+from examples.swe import arena_routes
 from examples.swe.arena_agent import (
     SESSION_REGISTRY_ATTR,
     SESSION_REGISTRY_CALLBACK_KEY,
@@ -27,6 +28,7 @@ from tests.unit.examples.test_arena_agent_fakes import (
     ROW,
     SESSION_KEY,
     FakeArena,
+    FakeClock,
     FakeRuntime,
     LogRecords,
     make_agent,
@@ -47,6 +49,19 @@ def fake() -> FakeArena:
     return FakeArena()
 
 
+# Probe interval of the throttling tests: long enough that the registry's background probe
+# (a real asyncio.sleep of one interval) never fires during a test; the registry's clock is
+# the test's, advanced by hand, so no outcome depends on how fast this machine runs.
+INTERVAL = 60.0
+
+
+@pytest.fixture
+def clock(monkeypatch) -> FakeClock:
+    fake_clock = FakeClock()
+    monkeypatch.setattr(arena_routes, "time", fake_clock)
+    return fake_clock
+
+
 @pytest.fixture
 def logs():
     handler = LogRecords()
@@ -54,6 +69,12 @@ def logs():
     logger.addHandler(handler)
     yield handler
     logger.removeHandler(handler)
+
+
+async def until(condition) -> None:
+    """Yield to the event loop until ``condition()`` holds (bound it with wait_for)."""
+    while not condition():
+        await asyncio.sleep(0.001)
 
 
 def no_run_reward_metrics(stats: dict[str, float]) -> bool:
@@ -171,8 +192,7 @@ async def test_gateway_renewal_stops_when_the_rollout_is_cancelled(fake):
     fake.polls = [{"status": "RUNNING"}]
     agent = make_agent(fake, arena_registration_probe_interval=0.01)
     task = asyncio.create_task(agent.run(dict(ROW), **run_kwargs()))
-    while len(fake.ops("renew")) < 2:
-        await asyncio.sleep(0.005)
+    await asyncio.wait_for(until(lambda: len(fake.ops("renew")) >= 2), 5)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -323,18 +343,22 @@ async def test_changed_gateway_key_within_a_worker_is_refused(fake):
     assert len(fake.ops("launch")) == 1
 
 
-async def test_garbage_collected_route_is_restored_before_the_next_launch(fake):
+async def test_garbage_collected_route_is_restored_before_the_next_launch(fake, clock):
     # A7
     runtime = FakeRuntime()
     agent = make_agent(
-        fake, arena_llm_route_mode="session_gateway", arena_registration_probe_interval=0.05
+        fake, arena_llm_route_mode="session_gateway", arena_registration_probe_interval=INTERVAL
     )
     await agent.run(dict(ROW), **run_kwargs("s-1", worker_runtime=runtime))
     fake.models.clear()  # Arena garbage-collects the idle route
-    await asyncio.sleep(0.06)
+    clock.advance(INTERVAL - 1)
     start = len(fake.calls)
-
     await agent.run(dict(ROW), **run_kwargs("s-2", worker_runtime=runtime))
+    assert fake.op_names()[start:] == ["launch", "poll"]  # within the interval: no probe
+
+    clock.advance(1)  # the interval has elapsed
+    start = len(fake.calls)
+    await agent.run(dict(ROW), **run_kwargs("s-3", worker_runtime=runtime))
 
     assert fake.op_names()[start:] == ["exists", "register", "launch", "poll"]
     first, restored = fake.ops("register")
@@ -344,15 +368,15 @@ async def test_garbage_collected_route_is_restored_before_the_next_launch(fake):
     assert stats["rollout/arena/registration_restore_success"] == 1.0
 
 
-async def test_concurrent_acquires_share_a_single_probe(fake):
+async def test_concurrent_acquires_share_a_single_probe(fake, clock):
     # A8
     runtime = FakeRuntime()
     fake.launch_payload = {"status": "DONE", "score": 1.0}
     agent = make_agent(
-        fake, arena_llm_route_mode="session_gateway", arena_registration_probe_interval=0.5
+        fake, arena_llm_route_mode="session_gateway", arena_registration_probe_interval=INTERVAL
     )
     await agent.run(dict(ROW), **run_kwargs("s-0", worker_runtime=runtime))
-    await asyncio.sleep(0.55)
+    clock.advance(INTERVAL + 1)
 
     runs = [agent.run(dict(ROW), **run_kwargs(f"s-{i}", worker_runtime=runtime)) for i in range(32)]
     assert await asyncio.gather(*runs) == [1.0] * 32
@@ -362,22 +386,23 @@ async def test_concurrent_acquires_share_a_single_probe(fake):
     assert len(fake.ops("launch")) == 33
 
 
-async def test_slow_failing_probe_throttles_from_its_completion(fake):
+async def test_slow_failing_probe_throttles_from_its_completion(fake, clock):
     # A9: the probe takes longer than the interval; the next task still uses the cache.
-    async def slow_failure(request):
-        await asyncio.sleep(0.15)
+    def slow_failure(request):
+        clock.advance(1.5 * INTERVAL)  # the probe's duration
         return httpx.Response(503, json={"error": "busy"})
 
     runtime = FakeRuntime()
     fake.launch_payload = {"status": "DONE", "score": 1.0}
     agent = make_agent(
-        fake, arena_llm_route_mode="session_gateway", arena_registration_probe_interval=0.1
+        fake, arena_llm_route_mode="session_gateway", arena_registration_probe_interval=INTERVAL
     )
     await agent.run(dict(ROW), **run_kwargs("s-1", worker_runtime=runtime))
-    await asyncio.sleep(0.11)
+    clock.advance(INTERVAL + 1)
     fake.script("exists", slow_failure)
 
     await agent.run(dict(ROW), **run_kwargs("s-2", worker_runtime=runtime))
+    # 1.5 intervals after the probe started, but none after it completed: no new probe.
     await agent.run(dict(ROW), **run_kwargs("s-3", worker_runtime=runtime))
 
     assert len(fake.ops("exists")) == 1
@@ -385,20 +410,21 @@ async def test_slow_failing_probe_throttles_from_its_completion(fake):
     assert metrics()["rollout/arena/registration_probe_success"] == 0.0
 
 
-async def test_failed_restore_raises_then_throttles_retries(fake):
+async def test_failed_restore_raises_then_throttles_retries(fake, clock):
     # A10
     runtime = FakeRuntime()
     fake.launch_payload = {"status": "DONE", "score": 1.0}
     agent = make_agent(
-        fake, arena_llm_route_mode="session_gateway", arena_registration_probe_interval=0.2
+        fake, arena_llm_route_mode="session_gateway", arena_registration_probe_interval=INTERVAL
     )
     await agent.run(dict(ROW), **run_kwargs("s-1", worker_runtime=runtime))
     fake.models.clear()
     fake.script("register", httpx.Response(400, json={"error": "quota"}))
-    await asyncio.sleep(0.21)
+    clock.advance(INTERVAL + 1)
 
     with pytest.raises(ArenaAPIError, match="HTTP 400"):
         await agent.run(dict(ROW), **run_kwargs("s-2", worker_runtime=runtime))
+    clock.advance(INTERVAL - 1)  # still within the interval after the failed restore
     with pytest.raises(ArenaAPIError, match="restore retries are throttled"):
         await agent.run(dict(ROW), **run_kwargs("s-3", worker_runtime=runtime))
 

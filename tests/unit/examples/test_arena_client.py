@@ -298,7 +298,7 @@ async def test_marked_302_on_a_poll_resends_the_same_get(http, make_client, slee
     )
     assert result.score == 1.0
     assert len(http.calls("POST")) == 1 and len(http.calls("GET")) == 2
-    assert sleeps == [0.5, 1.0]  # poll interval, then the retry backoff
+    assert sleeps == [1.0]  # the first poll follows the launch at once; then the backoff
 
 
 @pytest.mark.parametrize(
@@ -719,7 +719,33 @@ async def test_polls_until_terminal(http, make_client, sleeps):
     )
     result = await launch(make_client())
     assert (result.status, result.score, result.trace_id) == ("OK", 0.75, "tr")
-    assert len(http.calls("GET")) == 2 and sleeps == [0.5, 0.5]
+    # The first poll right after the launch, the second one poll_interval later.
+    assert len(http.calls("GET")) == 2 and sleeps == [0.5]
+
+
+async def test_first_poll_follows_the_launch_without_waiting():
+    events: list[str] = []
+
+    def arena(request: httpx.Request) -> httpx.Response:
+        if request.method == "POST":
+            events.append("launch")
+            return reply(202, {"task_id": "t1", "status": "PENDING"})
+        events.append("poll")
+        done = events.count("poll") == 3
+        return reply(200, {"task_id": "t1", "status": "DONE" if done else "RUNNING", "score": 1})
+
+    async def async_sleep(seconds: float) -> None:
+        events.append(f"sleep {seconds:g}")
+
+    client = ArenaOpenAPIClient(
+        base_url=BASE,
+        api_token=TOKEN,
+        poll_interval=7.0,
+        async_transport=httpx.MockTransport(arena),
+        async_sleep=async_sleep,
+    )
+    assert (await launch(client)).score == 1.0
+    assert events == ["launch", "poll", "sleep 7", "poll", "sleep 7", "poll"]
 
 
 async def test_failed_launch_even_with_a_score(http, make_client):  # T3

@@ -153,7 +153,7 @@ def test_invalid_base64_does_not_echo_the_payload():
     [
         ("streams: []\n", "non-empty 'streams' list"),
         ("[]\n", "non-empty 'streams' list"),
-        ("streams:\n  - {name: a, stream_id: s}\nextra: 1\n", "unknown top-level keys: extra"),
+        ("streams:\n  - {name: a, stream_id: s}\nextra: 1\n", "unknown top-level fields: extra"),
         ("just text\n", "non-empty 'streams' list"),
         ("streams: {name: a}\n", "non-empty 'streams' list"),
         ("streams: [\n", "not valid YAML"),
@@ -324,7 +324,14 @@ def test_weight_scale_invariance():
 
 def test_mass_overflow():
     with pytest.raises(ValueError, match="overflowed the mixture mass"):
-        mix({"a": 2, "b": 2}, {"a": 1e308, "b": 1e308})
+        mix({"a": 2, "b": 2}, {"a": 1e308, "b": 1e308})  # each mass is already inf
+
+
+def test_finite_masses_whose_sum_overflows():
+    # One row each: both masses are 1e308 (finite) but their sum is not; the intended
+    # ValueError, not the OverflowError math.fsum raises on such a sum.
+    with pytest.raises(ValueError, match="overflowed the mixture mass"):
+        mix({"a": 1, "b": 1}, {"a": 1e308, "b": 1e308})
 
 
 def test_epoch_larger_than_the_union():

@@ -56,6 +56,18 @@ def task(status: str, harness=("claude", "1"), reward=("reward-a", "1"), wrap=Tr
     return {"task": body} if wrap else body
 
 
+def expecting_query(expected: dict[str, str], payload: dict):
+    """A reply that is only given to a request with exactly the ``expected`` query."""
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        params = dict(request.url.params)
+        if params != expected:
+            return httpx.Response(400, json={"error": f"query {params}, expected {expected}"})
+        return httpx.Response(200, json=payload)
+
+    return answer
+
+
 def arena(
     http: ScriptedHTTP,
     stream_id: str = "stream-a",
@@ -67,7 +79,9 @@ def arena(
     default_harness=None,
     total=10,
     tasks=None,
+    recent_tasks: int = 100,
 ) -> None:
+    """Serve one Stream; each route answers only the query the preflight must send (§1.5)."""
     sid = stream_id.replace("/", "%2F")
     stream = {"stream_id": stream_id}
     if status is not None:
@@ -76,16 +90,24 @@ def arena(
         stream["default_reward_ref"] = {"key": reward[0], "version": reward[1]}
     if default_harness is not None:
         stream["default_harness_ref"] = {"key": default_harness[0], "version": default_harness[1]}
-    http.on("GET", f"{API}/streams/{sid}", reply(200, {"data": {"stream": stream}}))
+    http.on("GET", f"{API}/streams/{sid}", expecting_query({}, {"data": {"stream": stream}}))
     key, version = (k.replace("/", "%2F") for k in harness)
     http.on(
         "GET",
         f"{API}/harnesses/{key}/versions/{version}",
-        reply(200, {"data": {"status": harness_status}}),
+        expecting_query({}, {"data": {"status": harness_status}}),
     )
-    http.on("POST", f"{API}/streams/{sid}/dataset", reply(200, {"data": {"total": total}}))
+    http.on(
+        "POST",
+        f"{API}/streams/{sid}/dataset",
+        expecting_query({"limit": "1", "offset": "0"}, {"data": {"total": total}}),
+    )
     rows = [task("DONE", harness=harness, reward=reward)] if tasks is None else tasks
-    http.on("GET", f"{API}/streams/{sid}/tasks", reply(200, {"data": rows}))
+    http.on(
+        "GET",
+        f"{API}/streams/{sid}/tasks",
+        expecting_query({"limit": str(recent_tasks), "offset": "0"}, {"data": rows}),
+    )
 
 
 def streams_file(tmp_path, text: str):
@@ -292,6 +314,89 @@ def test_check_failures(http, tmp_path, setup, message):
         run(http, streams_file=streams_file(tmp_path, ONE_STREAM))
 
 
+# Every check of one Stream, in the order the preflight must run them (§1.5), with the
+# error of each and the requests sent up to and including it.
+CHECKS = [
+    ("stream_id", "returned Stream 'stream-b'", 1),
+    ("status", "is not ACTIVE", 1),
+    ("reward_ref_shape", "default_reward_ref is incomplete", 1),
+    ("reward_ref_drift", "reward_ref drifted", 1),
+    ("harness", "requires Harness key@version", 1),
+    ("harness_status", "is not PUBLISHED", 2),
+    ("dataset", "at least one row", 3),
+    ("health", "failed health check", 4),
+]
+PINNED_NO_HARNESS = (
+    "- {name: a, stream_id: stream-a, expected_reward_ref: {key: reward-a, version: '1'}}\n"
+)
+
+
+def arena_failing_checks_from(http: ScriptedHTTP, first_broken: int) -> None:
+    """Stream a with every check from ``CHECKS[first_broken]`` on broken, the earlier ones
+    passing (the config names no Harness, so the Stream's default Harness is the check)."""
+
+    def ok(check: str) -> bool:
+        return [name for name, _, _ in CHECKS].index(check) < first_broken
+
+    if not ok("reward_ref_shape"):
+        reward_ref = {"key": "reward-a"}
+    elif not ok("reward_ref_drift"):
+        reward_ref = {"key": "reward-a", "version": "2"}
+    else:
+        reward_ref = {"key": "reward-a", "version": "1"}
+    stream = {
+        "stream_id": "stream-a" if ok("stream_id") else "stream-b",
+        "status": "ACTIVE" if ok("status") else "PAUSED",
+        "default_reward_ref": reward_ref,
+    }
+    if ok("harness"):
+        stream["default_harness_ref"] = {"key": "claude", "version": "1"}
+    http.on("GET", f"{API}/streams/stream-a", reply(200, {"data": {"stream": stream}}))
+    status = "PUBLISHED" if ok("harness_status") else "DRAFT"
+    http.on("GET", f"{API}/harnesses/claude/versions/1", reply(200, {"data": {"status": status}}))
+    total = 10 if ok("dataset") else 0
+    http.on("POST", f"{API}/streams/stream-a/dataset", reply(200, {"data": {"total": total}}))
+    rows = [task("DONE" if ok("health") else "FAILED")]
+    http.on("GET", f"{API}/streams/stream-a/tasks", reply(200, {"data": rows}))
+
+
+@pytest.mark.parametrize(
+    ("first_broken", "check", "message", "requests"),
+    [(i, *check) for i, check in enumerate(CHECKS)],
+    ids=[name for name, _, _ in CHECKS],
+)
+def test_checks_run_in_order(http, tmp_path, first_broken, check, message, requests):
+    # case 13: with this check and every later one broken, this one is reported, and no
+    # request of a later check is sent.
+    arena_failing_checks_from(http, first_broken)
+    with pytest.raises(ArenaAPIError, match=message):
+        run(http, streams_file=streams_file(tmp_path, PINNED_NO_HARNESS))
+    order = [
+        ("GET", f"{API}/streams/stream-a"),
+        ("GET", f"{API}/harnesses/claude/versions/1"),
+        ("POST", f"{API}/streams/stream-a/dataset"),
+        ("GET", f"{API}/streams/stream-a/tasks"),
+    ]
+    assert [(r.method, r.raw_path) for r in http.requests] == order[:requests]
+
+
+def test_checks_in_order_all_pass_when_nothing_is_broken(http, tmp_path):
+    arena_failing_checks_from(http, len(CHECKS))
+    (record,) = run(http, streams_file=streams_file(tmp_path, PINNED_NO_HARNESS))
+    assert record["harness"] == "claude@1" and len(http.requests) == 4
+
+
+def test_recent_task_window_is_the_requested_size_from_offset_0(http, tmp_path):
+    # case 7: the health window is limit=recent_tasks, offset=0 (the fake answers nothing else).
+    arena(http, recent_tasks=7)
+    (record,) = run(http, streams_file=streams_file(tmp_path, ONE_STREAM), recent_tasks=7)
+    assert record["recent_terminal_tasks"] == 1
+    (tasks,) = http.calls("GET", f"{API}/streams/stream-a/tasks")
+    assert tasks.params == {"limit": "7", "offset": "0"}
+    (probe,) = http.calls("POST", f"{API}/streams/stream-a/dataset")
+    assert probe.params == {"limit": "1", "offset": "0"}
+
+
 @pytest.mark.parametrize("ref", ["reward-a@1", {"key": "reward-a"}, {"key": "", "version": "1"}])
 def test_malformed_default_reward_ref(http, tmp_path, ref):
     arena(http)
@@ -404,60 +509,74 @@ def test_configured_protocol_wins(http, tmp_path):
     assert run(http, streams_file=path)[0]["llm_protocol"] == "chat_completions"
 
 
-# --- case 19: several Streams, in order, concurrently ---
+# --- case 19: several Streams, one after another, in order ---
+
+TWO_STREAMS = (
+    "- {name: a, stream_id: stream-a, harness: claude@1}\n"
+    "- {name: b, stream_id: stream-b, harness: claude@1}\n"
+)
 
 
-def test_streams_are_checked_concurrently_but_reported_in_order(http, tmp_path):
+def watch_stream_b(http: ScriptedHTTP) -> threading.Event:
+    """An event set when anything about stream-b is requested."""
+    seen = threading.Event()
+    answer = http.routes[("GET", f"{API}/streams/stream-b")].popleft()
+
+    def stream_b(request: httpx.Request) -> httpx.Response:
+        seen.set()
+        return answer(request)
+
+    http.on("GET", f"{API}/streams/stream-b", stream_b)
+    return seen
+
+
+def delay_stream_a(http: ScriptedHTTP, b_seen: threading.Event, overlapped: list[bool]) -> None:
+    """Stream a's lookup waits up to 0.3 s for a request about stream b (a concurrent check
+    would send one) and records whether it came."""
+    answer = http.routes[("GET", f"{API}/streams/stream-a")].popleft()
+
+    def stream_a(request: httpx.Request) -> httpx.Response:
+        overlapped.append(b_seen.wait(0.3))
+        return answer(request)
+
+    http.on("GET", f"{API}/streams/stream-a", stream_a)
+
+
+def test_streams_are_checked_one_after_another_in_order(http, tmp_path):
     arena(http, "stream-a")
     arena(http, "stream-b")
-    b_seen = threading.Event()
-    overlapped = []
+    overlapped: list[bool] = []
+    delay_stream_a(http, watch_stream_b(http), overlapped)
 
-    def stream_a(request):  # answers only once stream b has been asked for (or after 5 s)
-        overlapped.append(b_seen.wait(5))
-        return httpx.Response(
-            200,
-            json={
-                "stream_id": "stream-a",
-                "status": "ACTIVE",
-                "default_reward_ref": {"key": "reward-a", "version": "1"},
-            },
-        )
+    records = run(http, streams_file=streams_file(tmp_path, TWO_STREAMS))
 
-    def stream_b(request):
-        b_seen.set()
-        return httpx.Response(
-            200,
-            json={
-                "stream_id": "stream-b",
-                "status": "ACTIVE",
-                "default_reward_ref": {"key": "reward-a", "version": "1"},
-            },
-        )
-
-    for sid, handler in (("stream-a", stream_a), ("stream-b", stream_b)):
-        http.routes[("GET", f"{API}/streams/{sid}")].clear()
-        http.on("GET", f"{API}/streams/{sid}", handler)
-    path = streams_file(
-        tmp_path,
-        "- {name: a, stream_id: stream-a, harness: claude@1}\n"
-        "- {name: b, stream_id: stream-b, harness: claude@1}\n",
-    )
-    records = run(http, streams_file=path)
-    assert overlapped == [True]
     assert [r["name"] for r in records] == ["a", "b"]
+    assert overlapped == [False]  # nothing about b while a was being checked
+    harness = ("GET", f"{API}/harnesses/claude/versions/1")
+    assert [(r.method, r.raw_path) for r in http.requests] == [
+        ("GET", f"{API}/streams/stream-a"),
+        harness,
+        ("POST", f"{API}/streams/stream-a/dataset"),
+        ("GET", f"{API}/streams/stream-a/tasks"),
+        ("GET", f"{API}/streams/stream-b"),
+        harness,
+        ("POST", f"{API}/streams/stream-b/dataset"),
+        ("GET", f"{API}/streams/stream-b/tasks"),
+    ]
 
 
-def test_first_failure_in_configuration_order_wins(http, tmp_path):
+def test_a_failed_stream_ends_the_run_before_later_streams(http, tmp_path):
     arena(http, "stream-a", status="PAUSED")
     arena(http, "stream-b", total=0)
-    path = streams_file(
-        tmp_path,
-        "- {name: a, stream_id: stream-a, harness: claude@1}\n"
-        "- {name: b, stream_id: stream-b, harness: claude@1}\n",
-    )
+    overlapped: list[bool] = []
+    b_seen = watch_stream_b(http)
+    delay_stream_a(http, b_seen, overlapped)
+
     with pytest.raises(ArenaAPIError, match="stream-a' is not ACTIVE"):
-        run(http, streams_file=path)
+        run(http, streams_file=streams_file(tmp_path, TWO_STREAMS))
+
+    assert overlapped == [False] and not b_seen.is_set()
+    assert [r.raw_path for r in http.requests] == [f"{API}/streams/stream-a"]
 
 
 # --- cases 3-5: inputs ---
@@ -465,7 +584,7 @@ def test_first_failure_in_configuration_order_wins(http, tmp_path):
 
 def test_streams_document_shapes(http, tmp_path):
     arena(http)
-    with pytest.raises(ValueError, match="unknown top-level keys: extra"):
+    with pytest.raises(ValueError, match="unknown top-level fields: extra"):
         run(http, streams_file=streams_file(tmp_path, ONE_STREAM + "extra: 1\n"))
     with pytest.raises(ValueError, match="non-empty 'streams' list"):
         run(http, streams_file=streams_file(tmp_path, "streams: []\n"))

@@ -17,12 +17,14 @@ from examples.swe.arena_results import FAILED_TASK_STATUSES
 
 
 def test_failed_statuses():
+    # failure-attribution.md 1.2: the newest client's set includes the grader's ERROR
     assert (
         ArenaOpenAPIClient.FAILED_TASK_STATUSES
         == FAILED_TASK_STATUSES
         == {
             "CANCELLED",
             "COLLECT_FAILED",
+            "ERROR",
             "EVAL_FAILED",
             "FAILED",
             "HARNESS_FAILED",

@@ -194,9 +194,14 @@ def test_print_profile_checks_no_path(checkout):
 
 
 @pytest.mark.parametrize("nodes", ["2", "4", "8", "16"])
-def test_each_profile_fills_its_nodes(nodes):
-    # Actor and colocated rollout both use exactly N_NODES x 8 GPUs.
-    actor, rollout = (ModelAllocation.from_str(s) for s in PROFILES[nodes])
+def test_each_profile_fills_its_nodes(checkout, nodes):
+    # The layouts the script prints: actor and colocated rollout both use exactly
+    # N_NODES x 8 GPUs.
+    done = print_profile(checkout, N_NODES=nodes)
+    assert done.returncode == 0, done.stderr
+    printed = dict(line.split("=", 1) for line in done.stdout.splitlines())
+    actor = ModelAllocation.from_str(printed["actor"])
+    rollout = ModelAllocation.from_str(printed["rollout"])
     assert actor.parallel.world_size == int(nodes) * 8
     assert rollout.n_instances * rollout.instance_size == int(nodes) * 8
 

@@ -2,7 +2,9 @@
 
 Cases 54-59 of cli-and-profiles.md §7 and M7, M8 of arena-client.md §13. The Arena is a
 ``httpx.MockTransport`` serving the three read routes training uses (list, get, dataset
-pages); the local-Arena tests start the real local Arena in-process.
+pages); the local-Arena tests start the real local Arena in-process. Training itself
+(``main`` with the real PPOTrainer, workers and inference server against the local Arena)
+runs in tests/integration/test_arena_training_e2e.py.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from datasets import Dataset
 
 from areal.api.cli_args import load_expr_config
+from areal.trainer.dataloader import StatefulDataLoader
 from areal.utils import logging as areal_logging
 from examples.swe import train_swe_rl
 from examples.swe.arena_client import ArenaAPIError, ArenaOpenAPIClient
@@ -172,6 +176,50 @@ def test_mixture_splits_by_weight_and_fills_stream_columns():
     }
 
 
+def test_mixture_is_a_datasets_dataset_with_indexable_columns():
+    econfig = {"arena_streams": astra_tbench_streams(), "arena_mixture_epoch_size": 9}
+    dataset, _ = get_arena_mixture_dataset(econfig, client=astra_tbench_arena().client())
+    assert isinstance(dataset, Dataset)
+    assert dataset.column_names == [
+        "data_id",
+        "stream_id",
+        "llm_protocol",
+        "arena_task_type",
+        "arena_stream_name",
+        "reward_ref_key",
+        "reward_ref_version",
+    ]
+    # Weighted round-robin 2:1 over astra's 6 and tbench's 3 rows.
+    assert list(dataset["arena_stream_name"]) == ["astra", "astra", "tbench"] * 3
+    assert dataset[1] == {
+        "data_id": "stream-a-1",
+        "stream_id": "stream-a",
+        "llm_protocol": "anthropic",
+        "arena_task_type": "unknown",
+        "arena_stream_name": "astra",
+        "reward_ref_key": "reward-a",
+        "reward_ref_version": "1.0.0",
+    }
+
+
+def test_the_trainer_dataloader_hands_out_the_mixture_rows():
+    # The dataloader indexes the Dataset by int and hands out its rows as plain dicts.
+    econfig = {"arena_streams": astra_tbench_streams(), "arena_mixture_epoch_size": 9}
+    dataset, _ = get_arena_mixture_dataset(econfig, client=astra_tbench_arena().client())
+    loader = StatefulDataLoader(dataset, batch_size=3, shuffle=True, seed=5)
+    batches = list(loader.tracked())
+    assert len(batches) == 3
+    drawn = [key for batch in batches for key, _ in batch]
+    assert sorted(index for _, index in drawn) == list(range(9))  # each row once
+    for batch in batches:
+        for (_, index), row in batch:
+            assert type(row) is dict and row == dataset[index]
+    resumed = StatefulDataLoader(dataset, batch_size=3, shuffle=True, seed=5)
+    resumed.load_state_dict(json.loads(json.dumps(loader.state_dict())))
+    (first, *_) = resumed.tracked()  # the unsettled rows come back first, as dicts
+    assert [row for _, row in first] == [row for _, row in batches[0]]
+
+
 def test_mixture_pins_unpinned_streams_and_rejects_drift():
     arena = FakeArena().add("stream-a", 2, harness="claude-code", reward=("reward-a", "3"))
     rows, (resolved,) = get_arena_mixture_dataset(
@@ -194,6 +242,7 @@ def test_legacy_single_stream_helper():
     econfig = {"stream_id": "stream-a", "arena_reward_threshold": "0.98"}
     rows, stream_id = get_arena_dataset(econfig, client=arena.client())
     assert (len(rows), stream_id) == (1, "stream-a")
+    assert isinstance(rows, Dataset) and list(rows["data_id"]) == ["stream-a-0"]
 
     two = {"arena_streams": [stream("a"), stream("b")]}
     with pytest.raises(ValueError, match="exactly one Arena Stream"):
@@ -251,12 +300,20 @@ def test_mixture_one_seven_with_batch_four_is_not_padded():
     ("sizes", "epoch", "size_multiple", "message"),
     [
         ({"a": (1e308, 2), "b": (1e308, 2)}, 0, 1, "overflowed the mixture mass"),
+        ({"a": (1e308, 1), "b": (1e308, 1)}, 0, 1, "overflowed the mixture mass"),
         ({"a": (1, 2), "b": (1, 3)}, 6, 1, "cannot exceed the 5 unique source rows"),
         ({"a": (1, 4), "b": (1, 4)}, 6, 4, "divisible by the training batch size 4"),
         ({"a": (1, 4), "b": (1, 4)}, -1, 1, "non-negative"),
         ({"a": (1, 4), "b": (1, 0)}, 0, 1, "contains no dataset rows"),
     ],
-    ids=["mass-overflow", "epoch-too-large", "epoch-not-divisible", "negative", "empty-stream"],
+    ids=[
+        "mass-overflow",
+        "mass-sum-overflow",
+        "epoch-too-large",
+        "epoch-not-divisible",
+        "negative",
+        "empty-stream",
+    ],
 )
 def test_mixture_rejects(sizes, epoch, size_multiple, message):
     with pytest.raises((ValueError, ArenaAPIError), match=message):
@@ -371,10 +428,13 @@ def test_jsonl_pads_small_datasets_and_keeps_every_key(tmp_path, areal_logs):
         ],
     )
     rows = get_swe_dataset(path)
+    assert isinstance(rows, Dataset)
     assert len(rows) == 66  # 3 valid records repeated 22 times: the first count >= 64
     assert {r["instance_id"] for r in rows} == {"i1", "i2", "i3"}
-    assert all(set(r) == {"instance_id", "problem_statement", "repo", "image"} for r in rows)
-    first = {r["instance_id"]: r for r in rows[:3]}
+    # "image" is missing from the first record, yet kept as a column (None where absent).
+    assert rows.column_names == ["instance_id", "problem_statement", "repo", "image"]
+    assert list(rows["image"][:3]) == [None, "img2", None]
+    first = {rows[i]["instance_id"]: rows[i] for i in range(3)}
     assert first["i1"]["image"] is None and first["i2"]["image"] == "img2"
     assert first["i3"]["repo"] is None
     assert "skipped a record" in areal_logs.text
@@ -480,7 +540,8 @@ def test_remote_arena_starts_nothing(tmp_path, monkeypatch):
 
 
 class RecordingTrainer:
-    """Stands in for PPOTrainer: records what main hands it and what it can reach."""
+    """Stands in for PPOTrainer (nothing trains): records what main hands it, what it can
+    reach, and the first batch its real dataloader would draw."""
 
     last: RecordingTrainer | None = None
 
@@ -489,6 +550,13 @@ class RecordingTrainer:
         self.train_dataset = train_dataset
         self.valid_dataset = valid_dataset
         self.env = {name: os.environ.get(name) for name in ARENA_ENV}
+        loader = StatefulDataLoader(
+            train_dataset,
+            batch_size=config.train_dataset.batch_size,
+            shuffle=config.train_dataset.shuffle,
+            drop_last=config.train_dataset.drop_last,
+        )
+        self.first_batch = next(iter(loader))
         self.closed = False
         RecordingTrainer.last = self
 
@@ -504,9 +572,11 @@ class RecordingTrainer:
             self.active_streams = [s["stream_id"] for s in client.list_streams()]
 
 
-def test_main_trains_against_the_local_arena(
+def test_main_hands_the_trainer_the_local_arena_mixture(
     profile_env, monkeypatch, raw_log_messages, areal_logs
 ):
+    # main up to PPOTrainer, with a recorder in its place: nothing trains here (the
+    # integration tests train for real against the local Arena).
     monkeypatch.delenv("ARENA_OPENAPI_TOKEN", raising=False)
     monkeypatch.delenv("ARENA_LLM_API_KEY", raising=False)
     monkeypatch.setattr(train_swe_rl, "PPOTrainer", RecordingTrainer)
@@ -528,8 +598,14 @@ def test_main_trains_against_the_local_arena(
     assert kwargs["eval_workflow"] is None
     assert kwargs["dynamic_filter_fn"] == "examples.swe.filter_function.filter_function"
     assert kwargs["eval_workflow_kwargs"]["gen_args"]["temperature"] == 0.0
+    assert isinstance(trainer.train_dataset, Dataset)
     assert len(trainer.train_dataset) == 56  # arith-easy 40 + py-funcs 16
     assert trainer.valid_dataset is trainer.train_dataset
+    # The profile does not shuffle: the first batch is the start of the 2:1 round-robin.
+    batch = trainer.first_batch
+    assert len(batch) == trainer.config.train_dataset.batch_size
+    assert [row["arena_stream_name"] for row in batch[:3]] == ["arith", "arith", "code"]
+    assert batch[0] == trainer.train_dataset[0]
     assert {"arith-easy", "py-funcs"} <= set(trainer.active_streams)
 
     # Workers started by the trainer inherit the local Arena's URL and token.

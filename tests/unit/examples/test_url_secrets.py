@@ -2,7 +2,8 @@
 
 Every place the suite parses or validates a URL is covered: the Arena client (its base URL
 from the argument or ``ARENA_OPENAPI_BASE``, ``ARENA_LLM_BASE_URL``, the proxy URL a route
-is registered to), the preflight CLI (``--base-url`` and the gateway probe), the
+is registered to, sync and async), the agent (the proxy URL it registers or launches at),
+the preflight CLI and library (``--base-url`` and the gateway probe), the
 ``econfig.arena_base_url`` field, Arena error bodies, log records and saved configs.
 """
 
@@ -19,12 +20,14 @@ from areal.api.config.fields import FieldError
 from areal.api.config.loader import save_config
 from areal.utils import logging as areal_logging
 from areal.utils.secrets import redact_url
+from examples.swe.arena_agent import ArenaStreamAgentWorkflow
 from examples.swe.arena_client import ArenaAPIError, ArenaOpenAPIClient
 from examples.swe.arena_http import ArenaRequest, ArenaTransport
 from examples.swe.arena_preflight import main as preflight_main
-from examples.swe.arena_preflight import probe_llm_gateway
+from examples.swe.arena_preflight import probe_llm_gateway, validate_streams
 from examples.swe.utils import SWEEnvConfig
 from tests.conftest import SECRET_SENTINEL
+from tests.unit.examples.test_arena_agent_fakes import ROW, FakeArena, make_agent, run_kwargs
 
 # Each plant hides the sentinel in a different secret part of an otherwise valid URL.
 PLANTS = {
@@ -115,7 +118,66 @@ def test_arena_error_bodies_lose_url_secrets():
     assert "https://***@internal.test/x?sig=***" in str(info.value)
 
 
+@pytest.mark.parametrize("plant", ["password", "query"])
+async def test_route_upstream_url_of_an_async_registration_is_refused_without_its_secret(plant):
+    client = ArenaOpenAPIClient(
+        base_url="https://arena.test",
+        async_transport=httpx.MockTransport(lambda r: httpx.Response(500)),
+    )
+    with pytest.raises(ValueError) as info:
+        await client.register_llm_proxy_async(
+            model_name="stream-areal-x",
+            upstream_base_url=PLANTS[plant],
+            upstream_api_key="key",
+            deployment_id="d",
+        )
+    assert SECRET_SENTINEL not in str(info.value) and "proxy base URL" in str(info.value)
+
+
+# --- the agent: the proxy URL it is handed ---
+
+
+def _agent(fake: FakeArena, mode: str) -> ArenaStreamAgentWorkflow:
+    return make_agent(fake, arena_llm_route_mode=mode)
+
+
+@pytest.mark.parametrize("plant", ["password", "query"])
+async def test_agent_gateway_route_refuses_a_proxy_url_without_its_secret(plant):
+    fake = FakeArena()
+    with pytest.raises(ValueError) as info:
+        await _agent(fake, "gateway").run(dict(ROW), **run_kwargs(base_url=PLANTS[plant]))
+    assert SECRET_SENTINEL not in str(info.value) and "proxy base URL" in str(info.value)
+    assert fake.ops("register", "launch") == []  # refused before anything was sent
+
+
+@pytest.mark.parametrize(
+    "url", [f"http://user:{SECRET_SENTINEL}@:1234/x", f"http:///x?key={SECRET_SENTINEL}"]
+)
+async def test_agent_direct_route_refuses_a_hostless_proxy_url_without_its_secret(url):
+    fake = FakeArena()
+    with pytest.raises(ValueError, match="has no host name") as info:
+        await _agent(fake, "direct").run(dict(ROW), **run_kwargs(base_url=url))
+    assert SECRET_SENTINEL not in str(info.value)
+    assert fake.calls == []
+
+
 # --- preflight ---
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+def test_preflight_library_refuses_the_base_url_without_its_secret(tmp_path, plant):
+    # The entry point submit_arena.sh calls (no CLI in between).
+    streams = tmp_path / "streams.yaml"
+    streams.write_text("streams:\n  - {name: a, stream_id: s-a, harness: h@1}\n")
+    message = refused(lambda: validate_streams(str(streams), base_url=PLANTS[plant]))
+    assert SECRET_SENTINEL not in message and "--base-url" in message
+
+
+@pytest.mark.parametrize("plant", PLANTS)
+def test_preflight_gateway_probe_refuses_the_base_url_without_its_secret(monkeypatch, plant):
+    monkeypatch.setenv("ARENA_LLM_API_KEY", "llm-key-for-url-tests")  # no ARENA_LLM_BASE_URL
+    message = refused(lambda: probe_llm_gateway(PLANTS[plant]))
+    assert SECRET_SENTINEL not in message and "--base-url" in message
 
 
 @pytest.mark.parametrize("plant", PLANTS)

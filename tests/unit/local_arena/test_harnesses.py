@@ -25,8 +25,16 @@ import pytest
 from areal.proxy.adapters.anthropic import chat_to_message, message_stream_events
 from areal.proxy.adapters.chat_stream import chat_stream_chunks
 from areal.proxy.adapters.responses import chat_to_response, response_stream_events
+from examples.swe.arena_agent import ArenaStreamAgentWorkflow
+from examples.swe.arena_results import ArenaTaskFailedError, ArenaTaskResult
 from examples.swe.local_arena import sandbox
+from examples.swe.local_arena.faults import FaultConfig, FaultError
 from examples.swe.local_arena.harnesses import cli_available, run_harness, session_headers
+from examples.swe.local_arena.harnesses.results import (
+    FAILURE_FORMATS,
+    HarnessResultError,
+    failure_fields,
+)
 from examples.swe.local_arena.types import (
     LLM_PROTOCOLS,
     DatasetRow,
@@ -302,6 +310,77 @@ async def test_unknown_kind_is_a_harness_error(make_run) -> None:
         await run_harness(spec("oracle"), make_run())
 
 
+# --- failure result formats (what a training client attributes) ---
+
+
+def attributed(fields: dict[str, Any], *, overflow: bool) -> str:
+    """The client's disposition of a ``HARNESS_FAILED`` task whose raw holds ``fields``
+    next to the local Arena's own keys, after two recorded interactions."""
+    raw = {
+        "harness": "answer-chat@1.0.0",
+        "reward": "exact-match@1.0.0",
+        "answer": "41",
+        "turns": 2,
+        "transcript": [{"turn": 1, "role": "assistant", "text": "timeout? rate limit?"}],
+        **fields,
+    }
+    error = ArenaTaskFailedError(
+        "t-1", "HARNESS_FAILED", None, ArenaTaskResult("t-1", "HARNESS_FAILED", None, raw)
+    )
+    return ArenaStreamAgentWorkflow.classify_proxy_failure(
+        error, context_overflow=overflow, interaction_count=2
+    )
+
+
+@pytest.mark.parametrize(
+    "fmt, without_overflow, with_overflow",
+    [
+        ("claude", "model_failure_zero", "model_failure_zero"),
+        ("claude_empty", "unknown_failure_reject", "model_failure_zero"),
+        ("gameagent", "model_failure_zero", "model_failure_zero"),
+        ("native", "model_failure_zero", "model_failure_zero"),
+        ("runner", "unknown_failure_reject", "model_failure_zero"),
+        ("unattributed", "unknown_failure_reject", "unknown_failure_reject"),
+    ],
+)
+def test_each_failure_format_is_one_result_family(fmt, without_overflow, with_overflow) -> None:
+    assert fmt in FAILURE_FORMATS
+    fields = failure_fields(fmt, "answer-chat@1.0.0")
+    assert attributed(fields, overflow=False) == without_overflow
+    assert attributed(fields, overflow=True) == with_overflow
+
+
+def test_unknown_failure_format_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown failure format"):
+        failure_fields("sandbox")
+
+
+@pytest.mark.parametrize(
+    "value, stored",
+    [
+        ("HARNESS_FAILED", "HARNESS_FAILED"),
+        (" harness_failed:native", "HARNESS_FAILED:native"),
+        ("HARNESS_FAILED:gameagent", "HARNESS_FAILED:gameagent"),
+    ],
+)
+def test_fail_after_harness_names_a_result_format(value, stored) -> None:
+    faults = FaultConfig.from_mapping({"fail_after_harness": {"row-1": value}})
+    assert faults.status_after_harness("s", "row-1") == stored
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("fail_after_harness", "HARNESS_FAILED:sandbox"),
+        ("fail_after_harness", "TIMEOUT:claude"),
+        ("force_status", "HARNESS_FAILED:claude"),  # no harness ran: no harness result
+    ],
+)
+def test_bad_result_formats_are_refused(key, value) -> None:
+    with pytest.raises(FaultError, match=rf"faults\.{key}\.row-1: .* not a failure result format"):
+        FaultConfig.from_mapping({key: {"row-1": value}})
+
+
 # --- tool_agent ---
 
 
@@ -376,6 +455,21 @@ async def test_tool_agent_stops_after_max_turns(upstream, make_run) -> None:
     assert len(upstream.calls()) == 3
     # The last non-empty assistant text stands as the answer.
     assert (output.answer, output.turns) == ("maybe 41", 3)
+
+
+async def test_tool_agent_reports_max_turns_as_a_gameagent_outcome(upstream, make_run) -> None:
+    upstream.reset({"content": "maybe 41", "tool_calls": [tool_call("bash", {"command": "true"})]})
+    with pytest.raises(HarnessResultError) as raised:
+        await run_harness(spec("tool_agent", max_turns=2, outcome_codes=True), make_run())
+    assert len(upstream.calls()) == 2
+    fields = raised.value.fields
+    assert fields["outcome"] == {"code": "AGENT_MAX_TURNS_EXCEEDED"}
+    assert fields["outcome_code"] == "AGENT_MAX_TURNS_EXCEEDED"
+    assert fields["error"] == str(raised.value)
+    assert fields["error"].endswith("\nGAMEAGENT_OUTCOME_CODE=AGENT_MAX_TURNS_EXCEEDED")
+    assert fields["turns"] == 2
+    # the client attributes it to the model once the session recorded calls
+    assert attributed(fields, overflow=False) == "model_failure_zero"
 
 
 async def test_tool_output_is_truncated(upstream, make_run) -> None:
@@ -599,9 +693,10 @@ async def test_claude_code_error_is_redacted(upstream, make_run) -> None:
     with pytest.raises(HarnessError) as raised:
         await run_harness(spec("claude-code", "anthropic"), make_run(timeout=120))
     message = str(raised.value).lower()
-    # The wording a hosted Arena uses, which the client's failure rules look for.
+    # The wording a hosted Arena uses, which the client's failure rules look for; the
+    # marker ends with its colon (an API status, if any, follows the reason).
     assert "harness: harness agent phase exited with code" in message
-    assert "harness: agent phase error: claude reported error" in message
+    assert "harness: agent phase error: claude reported error:" in message
     assert API_KEY not in message and SESSION_TOKEN.lower() not in message
 
 

@@ -106,6 +106,7 @@ def test_constructor_checks_the_agent():
 
 async def test_successful_episode_exports_with_the_reward(proxy):
     url, server = proxy
+    stats_tracker.get("rollout").export()  # start from an empty tracker
     agent = Agent(reward=0.75, calls=2)
     with workflow_context.scoped(task_id=17, sample_idx=3):
         result = await workflow(agent, url).arun_episode(engine="runtime", data={"id": "d1"})
@@ -120,6 +121,14 @@ async def test_successful_episode_exports_with_the_reward(proxy):
     assert server.store.get(session_id) is None  # exported and removed
     tensors = next(iter(result.values())).to_tensor_dict()
     assert tensors["rewards"].tolist() == [0.75] and tensors["loss_mask"].sum() > 0
+    stats = stats_tracker.get("rollout").export()
+    # the session scalars on every path (they used to be recorded on reject paths only)
+    assert stats["rollout/context_overflow"] == 0.0 and stats["rollout/proxy_system_error"] == 0.0
+    # turn counts of the last interaction replace the old num_interactions scalar
+    assert stats["rollout/num_turns_count"] == 1 and stats["rollout/num_turns/avg"] == 1.0
+    assert stats["rollout/num_turns_no_harness_err_count"] == 1
+    assert "rollout/num_turns_harness_err_count" not in stats
+    assert "rollout/num_interactions" not in stats
 
 
 async def test_integer_and_per_interaction_rewards(proxy, monkeypatch):

@@ -119,3 +119,34 @@ def test_named_trackers_and_module_functions():
     out = stats_tracker.export_all()
     assert out["v"] == 2.0 and out["unit-default/v"] == 4.0
     assert stats_tracker.get("unit-named") is stats_tracker.get("unit-named")
+
+
+def test_worker_exports_merge_denominators_and_masked_averages():
+    """Two rollout workers' turn counts: denominators add up, averages weigh by the counted
+    samples (not by the workers), extremes are taken over both, untagged keys are dropped."""
+    exports = []
+    for turns, harness_error in (([2.0, 4.0], [False, True]), ([3.0], [False])):
+        t = stats_tracker.StatsTracker("rollout")
+        for value, error in zip(turns, harness_error, strict=True):
+            t.denominator(n_count=torch.tensor([True]), ok_count=torch.tensor([not error]))
+            t.stat(denominator="n_count", n=torch.tensor([value]))
+            t.stat(denominator="ok_count", ok=torch.tensor([value]))
+        t.scalar(reward=sum(turns))
+        exports.append({**t.export(mergeable=True), "untagged": 1.0})
+    merged = stats_tracker.merge_exports(exports)
+    assert merged == {
+        "n_count": 3.0,
+        "n/avg": 3.0,
+        "n/min": 2.0,
+        "n/max": 4.0,
+        "ok_count": 2.0,
+        "ok/avg": 2.5,
+        "ok/min": 2.0,
+        "ok/max": 3.0,
+        "reward": 4.5,
+    }
+    # a plain export carries no merge tags besides the scalars' counts
+    t = stats_tracker.StatsTracker()
+    t.denominator(c=torch.tensor([True]))
+    t.stat(denominator="c", v=torch.tensor([1.0]))
+    assert set(t.export()) == {"c", "v/avg", "v/min", "v/max"}

@@ -15,6 +15,7 @@ from typing import Any
 
 from examples.swe.local_arena import sandbox
 from examples.swe.local_arena.harnesses.llm import ToolCall, ToolDef, llm_client
+from examples.swe.local_arena.harnesses.results import HarnessResultError, gameagent_fields
 from examples.swe.local_arena.harnesses.session import clip
 from examples.swe.local_arena.types import HarnessOutput, HarnessRun, HarnessSpec
 
@@ -78,7 +79,11 @@ _TOOL_ARGUMENT = {"run_python": "code", "bash": "command", "submit": "answer"}
 
 async def run_tool_agent(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
     """Up to ``max_turns`` LLM calls with tools; ``submit`` or a turn without tool calls
-    ends the episode, else the last non-empty assistant text stands as the answer."""
+    ends the episode, else the last non-empty assistant text stands as the answer.
+
+    With the option ``outcome_codes`` the agent reports as a GameAgent harness does: a run
+    that uses every turn without ending fails with ``AGENT_MAX_TURNS_EXCEEDED``.
+    """
     system = spec.options.get("system") or AGENT_SYSTEM
     max_turns = int(spec.options.get("max_turns", 6))
     tool_timeout = float(spec.options.get("tool_timeout", 10.0))
@@ -115,6 +120,10 @@ async def run_tool_agent(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
                     {"turn": turn, "role": "tool", "name": call.name, "output": clip(output)}
                 )
             history.extend(llm.wire.tool_results(results))
+    if spec.options.get("outcome_codes"):
+        detail = f"no answer submitted in {max_turns} turns"
+        fields = gameagent_fields("AGENT_MAX_TURNS_EXCEEDED", detail)
+        raise HarnessResultError(fields["error"], {**fields, "turns": max_turns})
     return HarnessOutput(answer, turns=max_turns, transcript=transcript)
 
 

@@ -110,15 +110,15 @@ async def run_claude_code(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
         result = await run_captured(argv, env, run.workdir, run.timeout, tail=CLI_OUTPUT_BYTES)
     report = None if result.timed_out else _last_json_object(result.stdout)
     if report is not None and report.get("is_error"):
-        # Worded like a hosted Arena's raw error, which the client classifies as the
-        # model's failure (see the client's failure dispositions).
+        # Worded like a hosted Arena's raw error: the client trains it as the model's
+        # failure only when the reason is a model error (prompt too long, max turns).
         status = report.get("api_error_status")
         raise HarnessError(
             redact(
                 f"harness: harness agent phase exited with code {result.returncode}\n"
-                f"harness: agent phase error: claude reported error"
-                f"{f' (API status {status})' if status else ''}: "
-                f"{excerpt(str(report.get('result')))}",
+                f"harness: agent phase error: claude reported error: "
+                f"{excerpt(str(report.get('result')))}"
+                f"{f' (API status {status})' if status else ''}",
                 run,
             )
         )
