@@ -22,8 +22,9 @@ x3 for forward plus backward. Peak: --peak-tflops (989 for H100/H200 dense bf16)
   norms, rotary embedding, SwiGLU, residual adds and the softmax statistics fuse instead of
   running as one memory pass per op. Two warm-up steps (compilation) are not timed.
 * megatron (``--engines fsdp,megatron``): the same packed micro-batches through
-  ``MegatronEngine`` (megatron-core + mbridge, one GPU, distributed optimizer); its LM head
-  produces full-vocabulary logits per micro-batch, hence its own --megatron-mb-tokens.
+  ``MegatronEngine`` (megatron-core + mbridge, one GPU, distributed optimizer); with one
+  tensor-parallel rank its log-probs are chunked like the engine's, so it takes the same
+  micro-batch budget unless --megatron-mb-tokens says otherwise.
 
 ``--profile`` adds one profiled step per engine column: kernel time by class (GEMM, flash
 attention, compiled Triton kernels, other elementwise, ...) and the top kernels.
@@ -123,12 +124,66 @@ def profile_step(step) -> dict:
         )
         classes[label] = classes.get(label, 0.0) + seconds
     top = sorted(kernels.items(), key=lambda kv: -kv[1])[:30]
+    # host side: where the CPU spends its time, and how often it waits for the GPU
+    host = [
+        (e.key, e.self_cpu_time_total / 1e6, e.count)
+        for e in prof.key_averages()
+        if e.self_cpu_time_total > 0
+    ]
+    host.sort(key=lambda row: -row[1])
+    syncs = {
+        e.key: e.count
+        for e in prof.key_averages()
+        if any(k in e.key for k in ("Synchronize", "cudaMemcpy", "item", "_local_scalar_dense"))
+    }
     return {
         "wall_s": wall,
         "gpu_busy_s": busy,
+        "kernel_launches": sum(
+            1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+        ),
         "by_class_s": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
         "top_kernels_s": [[name[:110], seconds] for name, seconds in top],
+        "top_host_ops_s": [[name[:80], seconds, count] for name, seconds, count in host[:25]],
+        "sync_points": syncs,
     }
+
+
+def host_sync_sites(step, top: int = 10) -> list[list]:
+    """Run ``step()`` once, counting the Python call sites that read a CUDA tensor's value
+    on the host (``item``, ``tolist``, ``int``/``float``/``bool`` of a tensor): each waits
+    for the GPU."""
+    import collections
+    import traceback
+
+    counts: collections.Counter = collections.Counter()
+    saved = {}
+
+    def wrap(name):
+        original = getattr(torch.Tensor, name)
+        saved[name] = original
+
+        def counted(self, *args, **kwargs):
+            if self.is_cuda:
+                frames = [
+                    f"{Path(f.filename).name}:{f.lineno} {f.name}"
+                    for f in traceback.extract_stack()[:-1]
+                    if "/torch/" not in f.filename
+                ]
+                counts[" <- ".join(reversed(frames[-3:]))] += 1
+            return original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, counted)
+
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        wrap(name)
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        for name, original in saved.items():
+            setattr(torch.Tensor, name, original)
+    return [[site, n] for site, n in counts.most_common(top)]
 
 
 def print_profile(name: str, prof: dict) -> None:
@@ -141,6 +196,15 @@ def print_profile(name: str, prof: dict) -> None:
     print(render_table(f"{name}: one profiled step, {wall:.3f} s", ["kernels", "s", "share"], rows))
     top = [[n, s, f"{100 * s / wall:.1f}%"] for n, s in prof["top_kernels_s"]]
     print(render_table(f"{name}: top kernels", ["kernel", "s", "share"], top))
+    host = [[n, s, c] for n, s, c in prof.get("top_host_ops_s", [])]
+    if host:
+        title = f"{name}: top host ops (self CPU), {prof.get('kernel_launches', 0)} kernels"
+        print(render_table(title, ["op", "s", "calls"], host))
+    for site, count in prof.get("sync_sites", []):
+        print(f"  {count:5d} host reads at {site}")
+    if prof.get("sync_points"):
+        rows = [[k[:80], v] for k, v in prof["sync_points"].items()]
+        print(render_table(f"{name}: host waits and copies", ["call", "count"], rows))
 
 
 def run_engine(
@@ -202,6 +266,9 @@ def run_engine(
     }
     if profile:
         result["profile"] = profile_step(lambda: engine.train_batch(batch, loss_fn, weight_fn))
+        result["profile"]["sync_sites"] = host_sync_sites(
+            lambda: engine.train_batch(batch, loss_fn, weight_fn)
+        )
     engine.destroy()
     return result
 
@@ -274,8 +341,9 @@ def main() -> None:
     parser.add_argument(
         "--megatron-mb-tokens",
         type=int,
-        default=16384,
-        help="megatron: packed tokens per micro-batch (full-vocabulary logits per mb)",
+        default=None,
+        help="megatron: packed tokens per micro-batch (default: --engine-mb-tokens; with TP 1 "
+        "it computes log-probs in chunks as the FSDP engine does)",
     )
     parser.add_argument(
         "--engines",
@@ -324,7 +392,7 @@ def main() -> None:
             ("engine+kernels", "fsdp+kernels",
              functools.partial(engine, backend="fsdp", use_kernels=True), args.engine_mb_tokens),
             ("megatron", "megatron", functools.partial(engine, backend="megatron"),
-             args.megatron_mb_tokens),
+             args.megatron_mb_tokens or args.engine_mb_tokens),
             ("plain", None, run_plain, args.mb_tokens),
         ]  # fmt: skip
         for name, key, run, budget in columns:

@@ -56,7 +56,7 @@ from areal.engine.fsdp_engine import (
     mask_last_tokens,
     to_dtype,
 )
-from areal.engine.logprobs import next_token_labels
+from areal.engine.logprobs import gather_logprobs, next_token_labels
 from areal.engine.optim import lr_multiplier
 from areal.engine.weight_sync import RolloutWeightSync
 from areal.utils import logging
@@ -113,6 +113,91 @@ def _vocab_parallel_entropy(logits: torch.Tensor, tp_group: Any) -> torch.Tensor
     weighted = (probs * shifted).sum(-1)
     dist.all_reduce(weighted, group=tp_group)
     return sum_exp.log() - weighted
+
+
+# --- rotary embedding for packed streams, without host syncs ---
+
+
+def _packed_rope(t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor, config: Any):
+    """Megatron's unfused THD rotary embedding without its per-call ``tolist()``.
+
+    ``t`` ``[T, H, D]``, ``freqs`` ``[S, 1, 1, d]``, ``cu_seqlens`` ``[n + 1]`` on the device.
+    Token ``i`` of the segment starting at ``cu_seqlens[k]`` gets ``freqs[i - cu_seqlens[k]]``
+    (``freqs[i]`` when ``freqs`` covers the whole stream, as Megatron's offset mode does):
+    the same values as Megatron's split-and-concatenate loop (one context-parallel rank),
+    found on the device, so no layer waits for the host.
+    """
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    n_tokens = t.shape[0]
+    index = torch.arange(n_tokens, device=t.device, dtype=torch.long)
+    if freqs.shape[0] == n_tokens:
+        positions = index
+    else:
+        bounds = cu_seqlens.to(device=t.device, dtype=torch.long)
+        segment = torch.searchsorted(bounds[1:].contiguous(), index, right=True)
+        positions = index - bounds[segment.clamp(max=bounds.numel() - 2)]
+    rotated = _apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        freqs[positions],
+        rotary_interleaved=config.rotary_interleaved,
+        multi_latent_attention=config.multi_latent_attention,
+    )
+    return rotated.squeeze(1)
+
+
+def _install_packed_rope() -> None:
+    """Route Megatron attention's unfused THD rotary calls through :func:`_packed_rope`.
+
+    Megatron's version copies the segment lengths to the host on every call (twice per
+    layer per micro-batch), which left the GPU idle half of a training step. Fused rotary
+    (Transformer Engine), context parallelism and YaRN scaling keep Megatron's own path.
+    """
+    from megatron.core.transformer import attention
+
+    original = attention.apply_rotary_pos_emb
+    if getattr(original, "_areal_packed", False):
+        return
+
+    def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
+        if (
+            cu_seqlens is None
+            or config.apply_rope_fusion
+            or mscale != 1.0
+            or (cp_group is not None and cp_group.size() > 1)
+        ):
+            return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
+                            cp_group=cp_group)  # fmt: skip
+        return _packed_rope(t, freqs, cu_seqlens, config)
+
+    apply_rotary_pos_emb._areal_packed = True
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+
+
+# --- gradient norm without Apex, without a host sync per parameter ---
+
+
+def _foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """Drop-in for Megatron's Apex-less ``multi_tensor_l2norm`` fallback: the global L2 norm
+    of every tensor, as a ``[1]`` float32 tensor on their device.
+
+    Megatron's fallback reads each parameter's norm on the host (one GPU wait per
+    parameter, twice per step); ``torch._foreach_norm`` keeps it on the device.
+    """
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)])
+    return torch.linalg.vector_norm(norms).reshape(1), None
+
+
+def _install_foreach_l2_norm() -> None:
+    """Use :func:`_foreach_l2_norm` where Megatron fell back to its local L2 norm."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    if getattr(clip_grads, "l2_norm_impl", None) is utils.local_multi_tensor_l2_norm:
+        clip_grads.l2_norm_impl = _foreach_l2_norm
 
 
 # --- attention for packed streams without Transformer Engine ---
@@ -213,6 +298,21 @@ def _grouped_expert_names(bridge: Any, original: Any, model: Any, consider_ep: b
             prefix, index, linear = match.groups()
             names[local] = f"{prefix}.{linear}.weight{int(index) + offset}"
     return names
+
+
+def _pass_hidden_through(
+    head: torch.nn.Module,
+    weights: list[torch.Tensor],
+    input_: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    runtime_gather_output: bool | None = None,
+):
+    """The output layer's ``forward`` for the chunked head: its input comes out unchanged and
+    the weight it would have used (tied or its own, after any pre-hook) is left in
+    ``weights`` for the loss function of the same micro-batch."""
+    del runtime_gather_output  # one tensor-parallel rank: nothing to gather
+    weights.append(head.weight if weight is None else weight)
+    return input_, None
 
 
 def _fp32_lm_head(module: torch.nn.Module, args: tuple, kwargs: dict):
@@ -369,6 +469,8 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         dtype = to_dtype(cfg.dtype)
         self.bridge = AutoBridge.from_pretrained(cfg.path, dtype=dtype)
         _fix_bridge(self.bridge)
+        _install_packed_rope()
+        _install_foreach_l2_norm()
         self.bridge.set_extra_args(**self._transformer_overrides())
         train = cfg.optimizer is not None
         mcfg = cfg.megatron
@@ -389,6 +491,8 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
                 head = getattr(_unwrap(chunk), "output_layer", None)
                 if head is not None:
                     head.register_forward_pre_hook(_fp32_lm_head, with_kwargs=True)
+        self._head_weights: list[torch.Tensor] = []
+        self._chunked_head = self._install_chunked_head()
         if train:
             self._build_optimizer()
             self._total_steps = ft_spec.total_train_steps if ft_spec is not None else 1
@@ -402,6 +506,24 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             self.parallel,
             cfg.dtype,
         )
+
+    def _install_chunked_head(self) -> bool:
+        """Without tensor parallelism, the output layer hands its input through and the loss
+        computes log-probs chunk by chunk from it (:func:`gather_logprobs`), as the FSDP
+        engine does: no ``[T, vocab]`` logits are kept, so micro-batches can be as large.
+
+        With tensor parallelism the vocabulary is sharded and the full-logits vocab-parallel
+        path stays. Returns whether the chunked head is in use on this rank.
+        """
+        if self.parallel.tp_size != 1 or not self._is_last_stage:
+            return False
+        heads = [getattr(_unwrap(chunk), "output_layer", None) for chunk in self.model]
+        heads = [head for head in heads if head is not None]
+        if not heads or getattr(self.bridge.config, "mtp_num_layers", None):
+            return False  # multi-token prediction reads real logits from the output layer
+        for head in heads:
+            head.forward = functools.partial(_pass_hidden_through, head, self._head_weights)
+        return True
 
     def _transformer_overrides(self) -> dict[str, Any]:
         """TransformerConfig fields the engine sets on top of mbridge's mapping."""
@@ -556,7 +678,24 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
 
             def loss_func(logits: torch.Tensor):
                 labels = next_token_labels(mb["input_ids"][0], cu)
-                logp, entropy = vocab_parallel_logprobs(logits[0], labels, tp_group, temperature)
+                if self._chunked_head:  # "logits" are the final hidden states [1, T, H]
+                    weight = self._head_weights.pop()
+                    hidden = logits[0]
+                    if weight.dtype in (torch.bfloat16, torch.float16):
+                        # Megatron's half-precision wrapper hands the last stage's output
+                        # back as fp32; the values are 16-bit, so this cast is exact
+                        hidden = hidden.to(weight.dtype)
+                    logp, entropy = gather_logprobs(
+                        hidden,
+                        weight,
+                        labels,
+                        temperature=temperature,
+                        chunk_size=self.config.logprobs_chunk_size,
+                    )
+                else:
+                    logp, entropy = vocab_parallel_logprobs(
+                        logits[0], labels, tp_group, temperature
+                    )
                 return loss_of(mb, logp, entropy)
 
             return output, loss_func
@@ -697,14 +836,17 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         if self.optimizer is None:
             raise RuntimeError("this engine has no optimizer (actor.optimizer is null)")
         found_inf = self.optimizer.prepare_grads()
-        grad_norm = float(self.optimizer.get_grad_norm())
-        if found_inf or not torch.isfinite(torch.tensor(grad_norm)):
+        clip = self.config.optimizer.gradient_clipping
+        # one norm computation: clipping returns the norm it clipped by (a non-finite
+        # norm leaves nothing worth keeping: the step is skipped and the grads zeroed)
+        if clip > 0:
+            grad_norm = float(self.optimizer.clip_grad_norm(clip))
+        else:
+            grad_norm = float(self.optimizer.get_grad_norm())
+        if found_inf or not math.isfinite(grad_norm):
             self.optimizer_zero_grad()
             logger.warning("non-finite gradient norm %s: optimizer step skipped", grad_norm)
             return {"update_successful": 0.0, "grad_norm": grad_norm, "lr": self._lr()}
-        clip = self.config.optimizer.gradient_clipping
-        if clip > 0:
-            self.optimizer.clip_grad_norm(clip)
         ok = self.optimizer.step_with_ready_grads()
         self.optimizer_zero_grad()
         self._optimizer_steps = getattr(self, "_optimizer_steps", 0) + 1
