@@ -103,18 +103,13 @@ class InferenceEngine(abc.ABC):
     ) -> list[Any]: ...
 
     @abc.abstractmethod
-    def pause(self) -> None:
-        """Stop starting rollouts; running generations wait at their next request."""
+    def begin_weight_update(self, version: int) -> None:
+        """Close the weight-update barrier: start no rollout, send no generation request,
+        abort the requests in flight on the servers (their partial output is kept)."""
 
     @abc.abstractmethod
-    def resume(self) -> None: ...
-
-    @abc.abstractmethod
-    def pause_generation(self) -> None:
-        """Server-level pause: abort in-flight requests, hold new ones."""
-
-    @abc.abstractmethod
-    def continue_generation(self) -> None: ...
+    def end_weight_update(self, version: int) -> None:
+        """Set ``version`` (this engine, its servers and proxies) and open the barrier."""
 
     @abc.abstractmethod
     def offload(self, tags: list[str] | None = None) -> None: ...

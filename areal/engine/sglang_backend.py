@@ -126,6 +126,13 @@ class SGLangBackend:
     def continue_request(self) -> HttpRequest:
         return HttpRequest("/continue_generation", {})
 
+    def weight_version_request(self, version: int) -> HttpRequest:
+        """The server's weight version (reported in each ``/generate``'s ``meta_info``);
+        nothing runs when it is set, so nothing needs aborting."""
+        return HttpRequest(
+            "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}
+        )
+
     def abort_all_request(self) -> HttpRequest:
         return HttpRequest("/abort_request", {"abort_all": True})
 

@@ -45,6 +45,7 @@ from areal.engine.sglang_backend import HFBackend, SGLangBackend
 from areal.engine.stop_strings import ClientStops, split_stop_strings
 from areal.inference.auth import API_KEY_ENV
 from areal.infra import workflow_context
+from areal.infra.weight_barrier import BarrierState
 from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils import logging, name_resolve, names
 from areal.utils.lifeline import child_env
@@ -77,7 +78,10 @@ class RemoteInfEngine(InferenceEngine):
         self.local_servers: list[LocalInfServerInfo] = []
         self.local_proxies: list[LocalInfServerInfo] = []
         self._destroy_callbacks: dict[str, Callable[[], Any]] = {}
-        self._version = 0
+        # the one pause and version source of this worker, read by its proxies too
+        self.barrier = BarrierState()
+        self._servers_held = False  # paused by this engine's begin_weight_update
+        self._warned_weight_version = False
         self._server_index = 0
         self._sticky: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._pool = concurrent.futures.ThreadPoolExecutor(
@@ -233,6 +237,7 @@ class RemoteInfEngine(InferenceEngine):
             self.workflow_executor = None
         self._run_destroy_callbacks()
         self.teardown_server()
+        self.barrier.close()  # its proxies are gone
         self._pool.shutdown(wait=False)
         self._initialized = False
 
@@ -279,12 +284,16 @@ class RemoteInfEngine(InferenceEngine):
         """:meth:`launch_server`, returning only the ``host:port`` (for remote callers)."""
         return self.launch_server(server_args).address
 
-    def launch_proxy(self, tokenizer_path: str) -> str:
+    def launch_proxy(self, tokenizer_path: str, expected_temperature: float | None = None) -> str:
         """Start a rollout proxy in front of this engine's first server (§5.1).
 
         The proxy runs ``python -m areal.proxy.server`` as a child of this process, with
         the admin key of ``config.agent`` in its environment (never on argv), and follows
-        this engine's pause, resume and version. Returns ``http://host:port``.
+        this engine's weight-update barrier (it reads the barrier's state file, see
+        :mod:`areal.infra.weight_barrier`). ``expected_temperature`` is
+        ``actor.temperature``: requests sampled at another one are counted
+        (``proxy/sampling_temperature_mismatch``) and warned about once. Returns
+        ``http://host:port``.
         """
         import sys
 
@@ -330,6 +339,10 @@ class RemoteInfEngine(InferenceEngine):
         ]
         if agent.engine_max_tokens is not None:  # caps prompt + completion of every call
             cmd += ["--engine-max-tokens", str(agent.engine_max_tokens)]
+        if expected_temperature is not None:
+            cmd += ["--expected-temperature", str(float(expected_temperature))]
+        if self.config.deterministic_sampling:
+            cmd += ["--deterministic-sampling"]
         # Plugins are imported here first, so a bad path fails naming its config field.
         load_message_preprocessors(agent.message_preprocessors or [])
         load_prefix_matcher(agent.prefix_matcher)
@@ -337,26 +350,21 @@ class RemoteInfEngine(InferenceEngine):
             cmd += ["--message-preprocessor", path]
         if agent.prefix_matcher:
             cmd += ["--prefix-matcher", agent.prefix_matcher]
+        cmd += ["--barrier-state", self.barrier.path]
         env = {**os.environ, "SWE_RL_ADMIN_API_KEY": admin}
         if self._api_key:  # the proxy's own engine client reads it (RemoteSGLangEngine)
             env[API_KEY_ENV] = reveal(self._api_key)
         info = self._start_healthy(cmd, env, host, port)
         self.local_proxies.append(info)
-        self._tell_proxies("/rl/set_version", {"version": self._version})
         return f"http://{info.address}"
 
-    def _tell_proxies(self, path: str, body: dict[str, Any] | None = None) -> None:
-        """An admin call on every proxy this engine launched (pause, resume, version)."""
-        if not self.local_proxies:
-            return
-        from areal.utils.secrets import reveal
-
-        headers = {"Authorization": f"Bearer {reveal(self.config.agent.admin_api_key)}"}
-        for proxy in self.local_proxies:
-            response = httpx.post(
-                f"http://{proxy.address}{path}", json=body or {}, headers=headers, timeout=60
-            )
-            response.raise_for_status()
+    def attach_barrier(self, path: str) -> None:
+        """Follow another process's barrier (a proxy follows its rollout worker's); call
+        before :meth:`initialize`."""
+        if self.workflow_executor is not None:
+            raise RuntimeError("attach_barrier() before initialize()")
+        self.barrier.close()
+        self.barrier = BarrierState.attach(path)
 
     def teardown_server(self) -> None:
         servers = [*self.local_proxies, *self.local_servers]
@@ -370,24 +378,46 @@ class RemoteInfEngine(InferenceEngine):
         self.local_servers = []
         self.local_proxies = []
 
-    # --- versions and pausing ---
+    # --- the weight-update barrier (the one pause path) and versions ---
 
-    def set_version(self, version: int) -> None:
-        self._version = version
+    def begin_weight_update(self, version: int) -> None:
+        """Close the barrier: no rollout starts and no generation request is sent here or
+        by this worker's proxies; then the servers pause, aborting what is in flight (an
+        interrupted ``agenerate`` keeps its partial output and goes on after
+        :meth:`end_weight_update`). Closing again is a no-op."""
+        if self.barrier.closed:
+            return
+        self.barrier.begin()
+        self._servers_held = True
+        self._pause_servers()
+
+    def resume_serving(self) -> None:
+        """The servers hold the new weights: they serve direct requests again (probes,
+        the weight-sync check). Rollouts stay held until :meth:`end_weight_update`."""
+        if self._servers_held:
+            self._continue_servers()
+            self._servers_held = False
+
+    def end_weight_update(self, version: int) -> None:
+        """Set ``version`` on the servers (their weight version) and here (read by the
+        executor, ``agenerate`` and the proxies), let the servers serve, open the barrier.
+
+        Servers this engine did not pause (shared with another rollout controller) only
+        get the version."""
+        self._set_server_weight_version(version)
+        self.resume_serving()
+        self.barrier.end(version)
         if self.workflow_executor is not None:
             self.workflow_executor.notify()
-        self._tell_proxies("/rl/set_version", {"version": version})
+
+    def set_version(self, version: int) -> None:
+        """Set the version without opening or closing the barrier."""
+        self.barrier.set_version(version)
+        if self.workflow_executor is not None:
+            self.workflow_executor.notify()
 
     def get_version(self) -> int:
-        return self._version
-
-    def pause(self) -> None:
-        self._executor().pause()
-        self._tell_proxies("/rl/pause")
-
-    def resume(self) -> None:
-        self._executor().resume()
-        self._tell_proxies("/rl/resume")
+        return self.barrier.version
 
     def _executor(self) -> WorkflowExecutor:
         if self.workflow_executor is None:
@@ -458,9 +488,7 @@ class RemoteInfEngine(InferenceEngine):
         versions: list[int] = []
         reason = "abort"
         while reason not in DONE_REASONS and len(tokens) < budget:
-            while self.workflow_executor is not None and self.workflow_executor.is_paused:
-                await asyncio.sleep(0.5)
-            version = self.get_version()
+            version = await self.barrier.wait_open()  # held while weights are updated
             request = self.backend.build_generation_request(
                 ModelRequest(
                     input_ids=input_ids, gconfig=sent, rid=req.rid, image_data=req.image_data
@@ -529,14 +557,24 @@ class RemoteInfEngine(InferenceEngine):
         for future in futures:
             future.result()
 
-    def pause_generation(self) -> None:
+    def _pause_servers(self) -> None:
         """Abort in-flight requests on every server and hold new ones."""
         self._fan_out(self.backend.pause_requests(), self.config.request_retries)
         if self.config.pause_grace_period:
             time.sleep(self.config.pause_grace_period)
 
-    def continue_generation(self) -> None:
+    def _continue_servers(self) -> None:
         self._fan_out([self.backend.continue_request()], self.config.request_retries)
+
+    def _set_server_weight_version(self, version: int) -> None:
+        """Every server's weight version (SGLang ``/update_weight_version``); a server
+        without the route is warned about once: tokens are tagged from the barrier."""
+        try:
+            self._fan_out([self.backend.weight_version_request(version)], retries=1)
+        except RuntimeError as e:
+            if not self._warned_weight_version:
+                self._warned_weight_version = True
+                logger.warning("could not set the servers' weight version: %s", e)
 
     def abort_all(self) -> None:
         self._fan_out([self.backend.abort_all_request()], self.config.request_retries)
@@ -632,8 +670,14 @@ class RemoteInfEngine(InferenceEngine):
     ) -> Any:
         return self._executor().wait_for_task(task_id, timeout=timeout, raise_timeout=raise_timeout)
 
-    def poll_task(self, task_id: int) -> tuple[bool, Any]:
-        return self._executor().poll_task(task_id)
+    def collect_finished(
+        self, ack: list[int] | None = None, timeout: float = 1.0
+    ) -> concurrent.futures.Future:
+        """Finished rollouts, long-polled by the rollout controller (see
+        :meth:`WorkflowExecutor.collect_finished`). A future, so the RPC server waits for
+        it off its engine thread and other calls to this worker go on meanwhile."""
+        executor = self._executor()
+        return self._pool.submit(executor.collect_finished, list(ack or ()), timeout)
 
     def rollout_batch(
         self,
@@ -654,9 +698,30 @@ class RemoteInfEngine(InferenceEngine):
         return self._executor().prepare_batch(dataloader, workflow, workflow_kwargs, **kwargs)
 
     def export_stats(self) -> dict[str, float]:
+        """This worker's ``rollout`` stats and its proxies' (``proxy/*``), mergeable."""
         from areal.utils import stats_tracker
 
-        return stats_tracker.get("rollout").export(mergeable=True)
+        exports = [stats_tracker.get("rollout").export(mergeable=True)]
+        exports += self._proxy_stats()
+        return exports[0] if len(exports) == 1 else combine_mergeable(exports)
+
+    def _proxy_stats(self) -> list[dict[str, float]]:
+        """What each launched proxy recorded since the last call; a proxy that cannot
+        answer costs its metrics of this step, never the step."""
+        if not self.local_proxies:
+            return []
+        headers = {"Authorization": f"Bearer {reveal(self.config.agent.admin_api_key)}"}
+        out = []
+        for proxy in self.local_proxies:
+            try:
+                response = httpx.post(
+                    f"http://{proxy.address}/rl/stats", headers=headers, timeout=30
+                )
+                response.raise_for_status()
+                out.append(dict(response.json()["stats"]))
+            except (httpx.HTTPError, ValueError, KeyError, TypeError) as e:
+                logger.warning("no stats from the proxy on %s this step: %s", proxy.address, e)
+        return out
 
 
 class RemoteSGLangEngine(RemoteInfEngine):
@@ -666,6 +731,22 @@ class RemoteSGLangEngine(RemoteInfEngine):
         if backend is None:
             backend = HFBackend() if _backend_kind(config.backend) == "hf" else SGLangBackend()
         super().__init__(config, backend)
+
+
+def combine_mergeable(exports: list[dict[str, float]]) -> dict[str, float]:
+    """Several ``export(mergeable=True)`` results as one, still mergeable: the values of
+    ``stats_tracker.merge_exports`` with each key's tag (counts summed) kept."""
+    from areal.utils import stats_tracker
+
+    merged = stats_tracker.merge_exports(exports)
+    out = dict(merged)
+    for key in merged:
+        for tag in ("__count", "__sum", "__min", "__max"):
+            weights = [e[key + tag] for e in exports if key + tag in e]
+            if weights:
+                out[key + tag] = sum(weights) if tag == "__count" else 1.0
+                break
+    return out
 
 
 def _backend_kind(backend: str) -> str:

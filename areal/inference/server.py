@@ -8,7 +8,9 @@ SGLang: token ids in, token ids and log-probs out.
 Endpoints: ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info``,
 ``POST /generate``, ``POST /pause_generation``, ``POST /continue_generation``,
 ``POST /abort_request``, ``POST /update_weights_from_disk``, ``POST /flush_cache``,
-``POST /release_memory_occupation``, ``POST /resume_memory_occupation``. Bad requests get
+``POST /release_memory_occupation``, ``POST /resume_memory_occupation``,
+``POST /update_weight_version``, ``GET /get_weight_version`` (the weight version is also
+in every ``/generate``'s ``meta_info``, as SGLang reports it). Bad requests get
 HTTP 400 with ``{"error": {"message", "type", "param"}}``; the server keeps serving. A
 request whose generation fails alone (see :mod:`areal.inference.engine`) gets 500.
 
@@ -172,6 +174,11 @@ class AbortBody(BaseModel):
     abort_all: bool = False
 
 
+class WeightVersionBody(BaseModel):
+    new_version: str
+    abort_all_requests: bool = True
+
+
 class UpdateFromDiskBody(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -235,6 +242,7 @@ def create_app(
         engine.stop()
 
     app = FastAPI(title="AReaL embedded inference server", lifespan=lifespan)
+    weight_version = {"value": "default"}  # SGLang's default weight version
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -323,6 +331,7 @@ def create_app(
             "completion_tokens": len(result.output_ids),
             "cached_tokens": 0,
             "e2e_latency": result.latency,
+            "weight_version": weight_version["value"],
         }
         if body.return_logprob:
             meta["output_token_logprobs"] = [
@@ -345,6 +354,17 @@ def create_app(
     @app.post("/continue_generation")
     async def resume_generation() -> dict[str, Any]:
         return await run_command("continue")
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: WeightVersionBody) -> dict[str, Any]:
+        if body.abort_all_requests:
+            await run_command("abort", rid=None)
+        weight_version["value"] = body.new_version
+        return {"success": True, "message": f"weight version {body.new_version}"}
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> dict[str, Any]:
+        return {"weight_version": weight_version["value"]}
 
     @app.post("/abort_request")
     async def abort(body: AbortBody) -> dict[str, Any]:

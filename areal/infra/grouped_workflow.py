@@ -2,7 +2,10 @@
 the workflow argument of ``submit``.
 
 Samples run as concurrent tasks, each seeing its own ``sample_idx`` in the workflow
-context. A sample that returns ``None`` or raises is rejected on its own. With
+context. A sample that returns ``None`` or raises is rejected on its own; the rest of
+the group trains (also with rollout-time reward normalization, over the samples kept).
+Once per group the inner workflow's ``record_group_metrics(data, rewards, group_size)``
+hook, when it has one, gets every sample's reward (``None`` for a failed one). With
 ``drop_incomplete_group`` the group is rejected as soon as one sample is, and its
 still-running siblings are cancelled, so that their external work (Arena tasks, proxy
 sessions) is released instead of running on unobserved.
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -41,30 +45,61 @@ def _is_interaction_dict(result: Any) -> bool:
     )
 
 
-def normalize_group_rewards(results: list[Any]) -> list[Any] | None:
-    """Rollout-time reward normalization over a group of interaction dicts.
+def _tensor_rewards(result: Any) -> torch.Tensor | None:
+    rewards = result.get("rewards") if isinstance(result, dict) else None
+    if not isinstance(rewards, torch.Tensor) or rewards.numel() == 0:
+        return None
+    if not all(isinstance(v, torch.Tensor) for v in result.values()):
+        return None
+    return rewards
 
-    Each sample's score is the reward of its last interaction; every interaction of
-    sample i gets ``R_i = (r_i - mean) / (std_pop + 1e-8)`` (its own reward kept as the
-    original). ``None`` when a sample is missing or its last interaction has no reward.
+
+def sample_reward(result: Any) -> float | None:
+    """A sample's reward: its last interaction's, or its last row's ``rewards`` for a
+    tensor dict; ``None`` for a failed sample (or one without a reward)."""
+    if _is_empty(result):
+        return None
+    if _is_interaction_dict(result):
+        reward = list(result.values())[-1].reward
+        return None if reward is None else float(reward)
+    rewards = _tensor_rewards(result)
+    return None if rewards is None else float(rewards.reshape(-1)[-1])
+
+
+def normalize_group_rewards(results: list[Any]) -> list[Any]:
+    """Rollout-time reward normalization over the group's usable samples.
+
+    Each sample's score is :func:`sample_reward`; every interaction (or row) of sample i
+    gets ``R_i = (r_i - mean) / (std_pop + 1e-8)`` over the samples that have a score,
+    keeping its own reward as the original. Failed samples are left out before this is
+    called; a sample without a score is dropped (with a warning), so the group trains on
+    the rest.
     """
-    scores = []
-    for result in results:
-        if not _is_interaction_dict(result):
-            return None
-        last = list(result.values())[-1]
-        if last.reward is None:
-            return None
-        scores.append(float(last.reward))
-    n = len(scores)
-    mean = sum(scores) / n
-    std = (sum((s - mean) ** 2 for s in scores) / n) ** 0.5
-    for result, score in zip(results, scores):
+    scored = [(r, sample_reward(r)) for r in results]
+    kept = [(r, score) for r, score in scored if score is not None]
+    if len(kept) < len(results):
+        logger.warning(
+            "%d sample(s) of task %s have no reward; normalizing over the other %d",
+            len(results) - len(kept),
+            workflow_context.get().task_id,
+            len(kept),
+        )
+    if not kept:
+        return []
+    n = len(kept)
+    mean = sum(score for _, score in kept) / n
+    std = (sum((score - mean) ** 2 for _, score in kept) / n) ** 0.5
+    for result, score in kept:
         normalized = (score - mean) / (std + 1e-8)
-        for interaction in result.values():
-            if interaction.reward is not None:
-                interaction.set_reward_value(normalized, original=interaction.reward)
-    return results
+        if _is_interaction_dict(result):
+            for interaction in result.values():
+                if interaction.reward is not None:
+                    interaction.set_reward_value(normalized, original=interaction.reward)
+        else:
+            rewards = result["rewards"]
+            result.setdefault("original_rewards", rewards.clone())
+            result["rewards"] = torch.full_like(rewards, normalized)
+    return [result for result, _ in kept]
 
 
 def _merge(results: list[Any]) -> Any:
@@ -74,8 +109,6 @@ def _merge(results: list[Any]) -> Any:
     ):
         merged = concat_padded_tensors(results)
         return merged or None
-    if results is None:
-        return None
     if all(isinstance(r, dict) for r in results):
         merged: dict[Any, Any] = {}
         for r in results:
@@ -123,8 +156,8 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
                     done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
                     for task in done:
                         results[index_of[task]] = task.result()
-                        if _is_empty(results[index_of[task]]):
-                            return None  # the finally block cancels the siblings
+                    if any(_is_empty(results[index_of[task]]) for task in done):
+                        break  # the finally block cancels the siblings
             else:
                 results = list(await asyncio.gather(*tasks))
         finally:
@@ -133,10 +166,9 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
                 task.cancel()
             if unfinished:
                 await asyncio.gather(*unfinished, return_exceptions=True)
-        if self.reward_normalization and self.group_size > 1:
-            return _merge(normalize_group_rewards(results)) if results else None
+        await self._record_group_metrics(data, results)
         valid = [r for r in results if not _is_empty(r)]
-        if not valid:
+        if not valid or (self.drop_incomplete_group and len(valid) < self.group_size):
             return None
         if len(valid) < self.group_size:
             logger.warning(
@@ -145,7 +177,27 @@ class GroupedRolloutWorkflow(RolloutWorkflow):
                 len(valid),
                 self.group_size,
             )
+        if self.reward_normalization and self.group_size > 1:
+            valid = normalize_group_rewards(valid)
+            if not valid:
+                return None
         return _merge(valid)
+
+    async def _record_group_metrics(self, data: Any, results: list[Any]) -> None:
+        """The inner workflow's ``record_group_metrics`` hook (pass@k for agents), once per
+        group, with each sample's reward before normalization (``None``: it failed)."""
+        record = getattr(self.workflow, "record_group_metrics", None)
+        if record is None:
+            return
+        rewards = [sample_reward(r) for r in results]
+        try:
+            outcome = record(data, rewards, self.group_size)
+            if inspect.isawaitable(outcome):
+                await outcome
+        except Exception:
+            logger.exception(
+                "record_group_metrics failed for task %s", workflow_context.get().task_id
+            )
 
 
 def resolve_workflow(

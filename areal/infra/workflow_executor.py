@@ -1,22 +1,30 @@
 """Asynchronous rollout execution with staleness control.
 
 ``submit`` queues a rollout (one row, all its samples); a background thread with its own
-event loop starts queued rollouts while the executor is not paused and the
+event loop starts queued rollouts while the barrier is open and the
 :class:`StalenessManager` has capacity, runs them as asyncio tasks, and files each
 result (``None`` when rejected). ``wait`` collects finished results; ``prepare_batch``
 keeps the queue topped up from a dataloader until a full batch of accepted rollouts is
 ready. An exception inside one rollout rejects it and is logged; it never stops the
-runner. An error of the runner itself is raised by the next call.
+runner. A rollout still running after its deadline (:meth:`WorkflowExecutor.task_deadline`)
+is cancelled and rejected, which frees its staleness slot. An error of the runner itself
+is raised by the next call.
+
+No rollout starts while the engine's weight-update barrier
+(:class:`~areal.infra.weight_barrier.BarrierState`) is closed. The rollout controller
+collects finished rollouts by long-polling :meth:`WorkflowExecutor.collect_finished`; a
+result stays here until the controller acknowledges it, so an answer lost on the way is
+delivered again. With ``rollout.dump_to_file`` every group that produced a trajectory,
+accepted or rejected, is written as JSONL (:mod:`areal.utils.trajectory_dump`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import itertools
-import json
-import os
 import random
 import threading
 import time
@@ -25,19 +33,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal.api.cli_args import InferenceEngineConfig
-from areal.api.scheduler_api import RPC_TOKEN_ENV
 from areal.infra import workflow_context
 from areal.infra.grouped_workflow import resolve_workflow
-from areal.infra.rpc.auth import signed_headers
 from areal.infra.staleness_manager import StalenessManager
+from areal.infra.weight_barrier import BarrierState
 from areal.utils import logging, stats_tracker
 from areal.utils.data import concat_padded_tensors
 from areal.utils.dynamic_import import import_from_string
+from areal.utils.trajectory_dump import RolloutDumper
 
 __all__ = ["WorkflowExecutor"]
 
 logger = logging.getLogger("rollout.executor")
-CALLBACK_TIMEOUT = 30.0
+DEADLINE_GRACE_S = 60.0
+"""Added to a workflow's own ``timeout`` kwarg, so that its timeout handling runs first."""
 
 
 @dataclass
@@ -47,8 +56,8 @@ class _Task:
     workflow: Any
     should_accept_fn: Callable[[Any], bool] | None
     is_eval: bool
-    callback_addr: str | None
     created: float = field(default_factory=time.monotonic)
+    deadline_s: float | None = None  # seconds from start; past it the task is cancelled
 
 
 @dataclass
@@ -91,7 +100,9 @@ class WorkflowExecutor:
         self._running: set[int] = set()
         self._results: dict[int, _Result] = {}
         self._cond = threading.Condition()
-        self._paused = threading.Event()
+        barrier = getattr(engine, "barrier", None)
+        self._own_barrier = not isinstance(barrier, BarrierState)
+        self.barrier: BarrierState = BarrierState() if self._own_barrier else barrier
         self._ids = itertools.count()
         self._data_iterators: dict[int, Iterator[Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,7 +110,10 @@ class WorkflowExecutor:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._error: BaseException | None = None
-        self._callbacks: set[asyncio.Task] = set()
+        # rollout.dump_to_file: each group with a trajectory, accepted or rejected, is
+        # written off the event loop (decoding long sequences takes a while)
+        self._dumper = RolloutDumper(config) if config.dump_to_file else None
+        self._dumps = concurrent.futures.ThreadPoolExecutor(1, "rollout-dump")
 
     # --- lifecycle ---
 
@@ -116,6 +130,9 @@ class WorkflowExecutor:
         self.notify()
         if self._thread is not None:
             self._thread.join(timeout=30)
+        self._dumps.shutdown(wait=True)  # the dumps of finished groups are complete
+        if self._own_barrier:
+            self.barrier.close()
 
     def _run_loop(self, ready: threading.Event) -> None:
         self._loop = asyncio.new_event_loop()
@@ -147,7 +164,7 @@ class WorkflowExecutor:
     async def _pump(self) -> None:
         tasks: set[asyncio.Task] = set()
         while not self._stopping:
-            while self._pending and not self._paused.is_set() and self.staleness.get_capacity() > 0:
+            while self._pending and not self.barrier.closed and self.staleness.get_capacity() > 0:
                 task = self._pending.popleft()
                 self.staleness.on_submit()
                 self._running.add(task.task_id)
@@ -167,13 +184,30 @@ class WorkflowExecutor:
             workflow_context.WorkflowContext(is_eval=task.is_eval, task_id=task.task_id)
         )
         trajectory = None
+        deadline = asyncio.timeout(task.deadline_s)
         try:
-            trajectory = to_trajectory(await task.workflow.arun_episode(self.engine, task.data))
+            async with deadline:
+                result = await task.workflow.arun_episode(self.engine, task.data)
+            trajectory = to_trajectory(result)
+            self._dump(task, trajectory)
             accept = task.should_accept_fn
             if trajectory is not None and accept is not None and not accept(trajectory):
                 trajectory = None
         except asyncio.CancelledError:
             raise
+        except TimeoutError:
+            if not deadline.expired():
+                logger.exception("rollout task %d failed; it is rejected", task.task_id)
+            else:  # the workflow was cancelled (its sessions ended, its slot is freed)
+                logger.warning(
+                    "rollout task %d ran past its deadline of %gs (rollout.request_timeout, "
+                    "or the workflow's timeout plus %gs); it is cancelled and rejected",
+                    task.task_id,
+                    task.deadline_s,
+                    DEADLINE_GRACE_S,
+                )
+                stats_tracker.get("rollout").scalar(**{"rollout/timed_out": 1.0})
+            trajectory = None
         except Exception:
             logger.exception("rollout task %d failed; it is rejected", task.task_id)
             trajectory = None
@@ -192,34 +226,19 @@ class WorkflowExecutor:
             self._running.discard(task.task_id)
             self._results[task.task_id] = _Result(task.task_id, task.created, trajectory)
             self._cond.notify_all()
-        if task.callback_addr:
-            callback = asyncio.create_task(self._callback(task.callback_addr, task.task_id))
-            self._callbacks.add(callback)
-            callback.add_done_callback(self._callbacks.discard)
         self._wake.set()
 
-    async def _callback(self, addr: str, task_id: int) -> None:
-        try:
-            import aiohttp
+    def _dump(self, task: _Task, trajectory: Any) -> None:
+        if self._dumper is None or trajectory is None:
+            return
 
-            session = await workflow_context.get_aiohttp_session()
-            url = addr if addr.startswith("http") else f"http://{addr}"
-            # the controller's callback server admits only requests signed with the run's
-            # RPC token (areal.infra.rpc.auth); the token itself is never sent
-            token = os.environ.get(RPC_TOKEN_ENV, "")
-            body = json.dumps({"task_id": task_id}).encode()
-            headers = {"content-type": "application/json"}
-            if token:
-                headers.update(signed_headers(token, "POST", url, body))
-            async with session.post(
-                url,
-                data=body,
-                headers=headers,
-                timeout=aiohttp.ClientTimeout(total=CALLBACK_TIMEOUT),
-            ) as response:
-                response.raise_for_status()
-        except Exception as e:  # the controller may also poll; a lost callback is not fatal
-            logger.warning("completion callback to %s for task %d failed: %s", addr, task_id, e)
+        def write() -> None:
+            try:
+                self._dumper.dump(trajectory, task.task_id, task.is_eval)
+            except Exception:
+                logger.exception("dumping rollout task %d failed", task.task_id)
+
+        self._dumps.submit(write)
 
     # --- submitting and collecting ---
 
@@ -231,7 +250,6 @@ class WorkflowExecutor:
         should_accept_fn: Callable[[Any], bool] | str | None = None,
         group_size: int = 1,
         task_id: int | None = None,
-        callback_addr: str | None = None,
         is_eval: bool = False,
         proxy_addr: str | None = None,
         reward_normalization: bool = False,
@@ -256,12 +274,21 @@ class WorkflowExecutor:
             workflow=resolved,
             should_accept_fn=should_accept_fn,
             is_eval=is_eval,
-            callback_addr=callback_addr,
         )
+        task.deadline_s = self.task_deadline(workflow_kwargs)
         self.staleness.on_enqueue()
         self._pending.append(task)
         self.notify()
         return task.task_id
+
+    def task_deadline(self, workflow_kwargs: dict[str, Any] | None) -> float:
+        """Seconds a task may run: ``rollout.request_timeout``, or a workflow's own
+        ``timeout`` kwarg plus :data:`DEADLINE_GRACE_S` when that is longer."""
+        deadline = float(self.config.request_timeout)
+        own = (workflow_kwargs or {}).get("timeout")
+        if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+            deadline = max(deadline, float(own) + DEADLINE_GRACE_S)
+        return deadline
 
     def wait(
         self, count: int, timeout: float | None = None, raise_timeout: bool = True
@@ -286,13 +313,29 @@ class WorkflowExecutor:
         random.shuffle(chosen)
         return [r.trajectory for r in chosen]
 
-    def poll_task(self, task_id: int) -> tuple[bool, Any]:
-        """``(finished, trajectory)`` without waiting; a finished task's result is handed
-        out once (``trajectory`` is ``None`` when it was rejected)."""
+    def collect_finished(
+        self, ack: Iterable[int] = (), timeout: float = 1.0
+    ) -> list[tuple[int, Any]]:
+        """Finished rollouts for the rollout controller: ``[(task_id, trajectory)]``.
+
+        Forgets the results of ``ack`` (delivered before and received), then waits up to
+        ``timeout`` seconds for at least one finished task and returns every finished one,
+        delivered or not: a result stays here until acknowledged, so one lost on its way
+        to the controller comes again (the controller ignores repeats). ``trajectory`` is
+        ``None`` for a rejected rollout.
+        """
         self._check()
+        deadline = time.monotonic() + timeout
         with self._cond:
-            result = self._results.pop(task_id, None)
-        return (False, None) if result is None else (True, result.trajectory)
+            for task_id in ack:
+                self._results.pop(task_id, None)
+            while not self._results:
+                self._check()
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return []
+                self._cond.wait(timeout=min(remaining, 0.5))
+            return [(r.task_id, r.trajectory) for r in self._results.values()]
 
     def wait_for_task(
         self, task_id: int, timeout: float | None = None, raise_timeout: bool = True
@@ -388,17 +431,10 @@ class WorkflowExecutor:
 
     # --- control ---
 
-    def pause(self) -> None:
-        """Stop starting rollouts; running generations wait at their next request."""
-        self._paused.set()
-
-    def resume(self) -> None:
-        self._paused.clear()
-        self.notify()
-
     @property
     def is_paused(self) -> bool:
-        return self._paused.is_set()
+        """The barrier is closed: a weight update is in progress."""
+        return self.barrier.closed
 
     def get_capacity(self) -> int:
         return self.staleness.get_capacity()

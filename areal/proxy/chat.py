@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from areal.api.cli_args import GenerationHyperparameters
 from areal.api.io_struct import ModelRequest, ModelResponse
 from areal.proxy.errors import ChatRequestError, ContextLengthExceededError, InvalidRequestError
@@ -30,6 +32,18 @@ from areal.utils import logging, stats_tracker
 __all__ = ["ChatGenerator", "ChatRequestError", "ContextLengthExceededError", "GeneratedChat"]
 
 logger = logging.getLogger("proxy.chat")
+
+CONCAT_PREFIX_MISMATCH = "proxy/concat_prefix_mismatch"
+"""Children in concat mode whose re-rendered prompt did not extend the parent's tokens."""
+TEMPERATURE_MISMATCH = "proxy/sampling_temperature_mismatch"
+"""Requests sampled at another temperature than ``actor.temperature``."""
+
+
+def count_event(key: str, happened: bool) -> None:
+    """Count one occurrence of an event (or a non-occurrence, so that the key still shows 0)
+    in the proxy's ``rollout`` stats; the step's total is summed over proxies."""
+    stats_tracker.get("rollout").denominator(**{key: torch.tensor([happened])})
+
 
 ALLOWED_ARGS = frozenset(
     {
@@ -147,8 +161,8 @@ class ChatGenerator:
 
     # --- helpers ---
 
-    def _warn(self, key: str, message: str) -> None:
-        if self._warn_once and key in self._warned:
+    def _warn(self, key: str, message: str, once: bool = False) -> None:
+        if (once or self._warn_once) and key in self._warned:
             return
         self._warned.add(key)
         logger.warning(message)
@@ -295,16 +309,20 @@ class ChatGenerator:
         return max_new, total
 
     def _check_sampling(self, sampling: dict[str, Any]) -> None:
+        """Count (and warn once per run about) requests off ``actor.temperature``."""
         expected = self.expected_temperature
         if expected is None:
             return
         used = sampling["temperature"]
-        if abs(used - expected) > 1e-6 and not (used == 0 and expected == 0):
-            stats_tracker.get("rollout").scalar(**{"proxy/sampling_temperature_mismatch": 1.0})
+        mismatch = abs(used - expected) > 1e-6
+        count_event(TEMPERATURE_MISMATCH, mismatch)
+        if mismatch:
             self._warn(
                 "temperature-mismatch",
                 f"a request samples at temperature {used} but actor.temperature is {expected}: "
-                "recomputed log-probs will not match the behaviour policy",
+                "recomputed log-probs will not match the behaviour policy (counted in "
+                f"{TEMPERATURE_MISMATCH}; warned once)",
+                once=True,
             )
 
     # --- the call ---
@@ -402,8 +420,9 @@ class ChatGenerator:
                 messages=[dict(m) for m in messages],
                 chat_template_type=self.chat_template_type,
             )
+        if self.chat_template_type == "concat" and parent is not None:
+            count_event(CONCAT_PREFIX_MISMATCH, concat is None)
         if self.chat_template_type == "concat" and parent is not None and concat is None:
-            stats_tracker.get("rollout").scalar(**{"proxy/concat_prefix_mismatch": 1.0})
             logger.warning(
                 "concat prompt of a child of %s could not be aligned; training it alone",
                 parent.id,

@@ -6,7 +6,9 @@
 admin key from ``SWE_RL_ADMIN_API_KEY`` (never from argv) and refuses to start without one.
 
 Session endpoints (admin key): ``POST /grant_capacity``, ``/rl/start_session``,
-``/export_trajectories``, ``/rl/set_version``, ``/rl/pause``, ``/rl/resume``. Session-key
+``/export_trajectories``, ``/rl/stats``
+(the metrics recorded here since the last call, in ``stats_tracker``'s mergeable form, for
+the rollout worker's ``export_stats``). Session-key
 endpoints: ``POST /rl/end_session``, ``/rl/set_reward``. Generation (session key, or the
 gateway key with ``X-Session-Id``/``X-Session-Token``): ``POST /chat/completions``,
 ``/v1/chat/completions``, ``/responses``, ``/v1/responses``, ``/v1/messages`` (streaming
@@ -68,7 +70,7 @@ from areal.proxy.keys import candidate_tokens, derive_gateway_key, same_secret, 
 from areal.proxy.memory import MemoryReleaser
 from areal.proxy.messages import MessagePreprocessor
 from areal.proxy.sessions import ProxyAuthError, Session, SessionStore
-from areal.utils import logging
+from areal.utils import logging, stats_tracker
 from areal.utils.http_limits import (
     BodyLimitMiddleware,
     Headers,
@@ -427,24 +429,10 @@ class ProxyServer:
         self._memory.soon()  # hand the freed heap back to the OS
         return response
 
-    async def set_version(self, request: Request) -> Response:
+    async def stats(self, request: Request) -> Response:
+        """This process's ``rollout`` metrics since the last call (and resets them)."""
         self._require_admin(request)
-        body = await self._body(request, require_json=False)
-        version = body.get("version")
-        if isinstance(version, bool) or not isinstance(version, int) or version < 0:
-            raise InvalidRequestError("version must be a non-negative integer", "version")
-        self.engine.set_version(version)
-        return json_response({"version": self.engine.get_version()})
-
-    async def pause(self, request: Request) -> Response:
-        self._require_admin(request)
-        self.engine.pause()
-        return json_response({"paused": True})
-
-    async def resume(self, request: Request) -> Response:
-        self._require_admin(request)
-        self.engine.resume()
-        return json_response({"paused": False})
+        return json_response({"stats": stats_tracker.get("rollout").export(mergeable=True)})
 
     # --- generation ---
 
@@ -522,9 +510,7 @@ class ProxyServer:
             "/rl/end_session": {"POST": g(self.end_session)},
             "/rl/set_reward": {"POST": g(self.set_reward)},
             "/export_trajectories": {"POST": g(self.export_trajectories)},
-            "/rl/set_version": {"POST": g(self.set_version)},
-            "/rl/pause": {"POST": g(self.pause)},
-            "/rl/resume": {"POST": g(self.resume)},
+            "/rl/stats": {"POST": g(self.stats)},
             "/chat/completions": {"POST": chat},
             "/v1/chat/completions": {"POST": chat},
             "/responses": {"POST": responses},
@@ -551,6 +537,17 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--request-timeout", type=float, default=3600.0)
     parser.add_argument("--log-level", default="warning")
     parser.add_argument(
+        "--expected-temperature",
+        type=float,
+        default=None,
+        help="actor.temperature: requests sampled otherwise are counted and warned about once",
+    )
+    parser.add_argument(
+        "--deterministic-sampling",
+        action="store_true",
+        help="rollout.deterministic_sampling: seed requests without a seed per session turn",
+    )
+    parser.add_argument(
         "--message-preprocessor",
         action="append",
         default=[],
@@ -559,6 +556,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--prefix-matcher", default=None, metavar="DOTTED.PATH", help="parent matcher function"
+    )
+    parser.add_argument(
+        "--barrier-state",
+        default=None,
+        metavar="PATH",
+        help="the rollout worker's weight-update barrier file: generation is held while it "
+        "is closed and tokens carry its version (default: none, version 0, never held)",
     )
     limits = LIMIT_FLAGS.add_arguments(parser)
     limits.add_argument(
@@ -625,6 +629,8 @@ def main(argv: list[str] | None = None) -> None:
     engine = RemoteSGLangEngine(
         InferenceEngineConfig(backend="sglang:d1", request_timeout=args.request_timeout)
     )
+    if args.barrier_state:  # pause and version come from the rollout worker, never by call
+        engine.attach_barrier(args.barrier_state)
     engine.initialize(addr=args.engine_addr)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
     server = ProxyServer(
@@ -639,6 +645,8 @@ def main(argv: list[str] | None = None) -> None:
         session_timeout=args.session_timeout,
         preprocessors=preprocessors,
         prefix_matcher=prefix_matcher,
+        expected_temperature=args.expected_temperature,
+        deterministic=args.deterministic_sampling,
         max_body_bytes=limits.max_body_bytes,
         body_timeout=limits.body_timeout,
         export_timeout=args.export_timeout,

@@ -142,6 +142,12 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             logger.exception("agent hook %s failed", name)
             return None
 
+    async def record_group_metrics(
+        self, data: dict[str, Any], rewards: list[float | None], group_size: int
+    ) -> None:
+        """The agent's ``record_group_metrics`` hook (e.g. pass@k), called by the group."""
+        await self._call_hook("record_group_metrics", data, rewards, group_size)
+
     async def _assign_reward(self, client: OpenAIProxyClient, key: str, reward: Any) -> None:
         from areal.proxy.client import ProxyError
 

@@ -6,12 +6,20 @@
 
 The trainer runs in a CPU controller process. It starts actor ranks and rollout workers
 through the scheduler (``local``: subprocesses on this machine), then per step:
-rollout (bounded by ``rollout.max_head_offpolicyness``) -> proximal log-probs ->
-advantages -> PPO update -> weight sync to inference -> HF save / recover checkpoint ->
-stats. A run killed at any point resumes from its last recover checkpoint when started
-again with the same experiment and trial names (``recover.mode`` on or auto): rows the
-rollout had drawn ahead of training (asynchronous mode) are trained after the resume, once
-each, and ``stats.jsonl`` keeps no row of a step that is run again.
+rollout (bounded by ``rollout.max_head_offpolicyness``) -> reference log-probs (when
+``actor.kl_ctl > 0``) -> proximal log-probs -> advantages -> PPO update -> weight sync to
+inference -> evaluation (when scheduled) -> HF save / recover checkpoint -> stats.
+
+The KL penalty needs a reference model: with ``actor.kl_ctl > 0`` the ``ref`` engine
+(``ref``, or by default a frozen copy of the actor forked beside its workers) scores every
+batch, since scoring against nothing would make ``-kl_ctl x logp`` a bonus. Evaluation
+workers start only when ``train`` gets an eval workflow (and there are valid rows): they
+are forked beside the rollout workers and send requests to the same servers.
+
+A run killed at any point resumes from its last recover checkpoint when started again with
+the same experiment and trial names (``recover.mode`` on or auto): rows the rollout had
+drawn ahead of training (asynchronous mode) are trained after the resume, once each, and
+``stats.jsonl`` keeps no row of a step that is run again.
 
 A dead inference server or rollout worker fails the run: the rollout controller's health
 checks stop dispatching, and the step raises an error naming the server; no weight update
@@ -23,17 +31,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import getpass
+import json
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from areal.api.cli_args import PPOConfig
+from areal.api.cli_args import PPOConfig, SchedulingStrategy
 from areal.api.config.support import refuse_unsupported
 from areal.api.config.train import parse_backend
 from areal.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal.api.workflow_api import RolloutWorkflow
+from areal.engine.weight_sync import push_weights
 from areal.infra.controller.rollout_controller import RolloutController
 from areal.infra.controller.train_controller import TrainController
 from areal.trainer.dataloader import StatefulDataLoader
@@ -72,7 +82,10 @@ class PPOTrainer:
     ):
         self.config = config
         self.actor: TrainController | None = None
+        self.ref: TrainController | None = None  # the KL penalty's reference model
         self.rollout: RolloutController | None = None
+        self.eval_rollout: RolloutController | None = None  # created by train(), lazily
+        self.valid_dataset = valid_dataset
         self.scheduler = None
         self.stats_logger = None
         self._log_files: list[Path] = []
@@ -112,25 +125,19 @@ class PPOTrainer:
             train_batch_size=cfg.train_dataset.batch_size,
         )
 
-        actor_alloc = parse_backend(cfg.actor.backend)
-        engine = ACTOR_ENGINES.get(actor_alloc.backend)
-        if engine is None:
-            raise ValueError(
-                f"actor.backend {cfg.actor.backend!r}: the trainer runs fsdp or megatron actors"
-            )
-        self.actor = TrainController(engine, cfg.actor, self.scheduler, role="actor")
-        self.actor.initialize(
-            actor_alloc.parallel.world_size,
-            cfg.actor.scheduling_spec[0],
-            self.ft_spec,
-            cfg.actor.scheduling_strategy,
-        )
+        self.actor = self._train_engine("actor", cfg.actor)
+        ref_cfg = cfg.ref_config()  # None unless actor.kl_ctl > 0
+        if ref_cfg is not None:
+            self.ref = self._train_engine("ref", ref_cfg)
 
         rollout_alloc = parse_backend(cfg.rollout.backend)
         rollout_cfg = dataclasses.replace(
             cfg.rollout,
             experiment_name=cfg.rollout.experiment_name or cfg.experiment_name,
             trial_name=cfg.rollout.trial_name or cfg.trial_name,
+            # where the workers write rollout.dump_to_file dumps, and how they decode them
+            fileroot=cfg.rollout.fileroot or cfg.cluster.fileroot,
+            tokenizer_path=cfg.rollout.tokenizer_path or cfg.tokenizer_path or cfg.actor.path,
         )
         self.rollout = RolloutController(rollout_cfg, self.scheduler, role="rollout")
         strategy = cfg.rollout.scheduling_strategy
@@ -172,6 +179,23 @@ class PPOTrainer:
             )
         self.stats_logger.resume_at(0 if self.recover_info is None else version)
 
+    def _train_engine(self, role: str, engine_cfg: Any) -> TrainController:
+        """The ranks of ``role`` (actor, or the frozen ref: same engine class, no optimizer)."""
+        alloc = parse_backend(engine_cfg.backend)
+        engine = ACTOR_ENGINES.get(alloc.backend)
+        if engine is None:
+            raise ValueError(
+                f"{role}.backend {engine_cfg.backend!r}: the trainer runs fsdp or megatron engines"
+            )
+        controller = TrainController(engine, engine_cfg, self.scheduler, role=role)
+        controller.initialize(
+            alloc.parallel.world_size,
+            engine_cfg.scheduling_spec[0],
+            self.ft_spec,
+            engine_cfg.scheduling_strategy,
+        )
+        return controller
+
     def _weight_update_meta(self) -> WeightUpdateMeta:
         cfg = self.config
         mode = cfg.actor.weight_update_mode
@@ -203,24 +227,46 @@ class PPOTrainer:
             meta.path = f"{self.weight_update_meta.path}_v{version}"
         return meta
 
-    def _push_weights(self, version: int) -> None:
-        self.rollout.pause()
-        self.actor.update_weights(self._meta_for(version))
+    def _push_weights(self, version: int, resume: bool = True) -> None:
+        """The weight-sync handshake, driven from here (train ranks never call the rollout
+        side): inside the rollout side's barrier (dispatch stopped, in-flight generation
+        aborted), the servers receive while the actor's ranks send, concurrently
+        (:func:`~areal.engine.weight_sync.push_weights`); then the actor takes the version.
+        With ``resume`` the barrier ends: the version reaches every rollout worker, server
+        and proxy, and rollouts go on."""
+        self.rollout.begin_weight_update(version)  # a no-op when the step already closed it
+        push_weights(self.actor, self.rollout, self._meta_for(version), self.actor.weight_plan)
         self.actor.set_version(version)
-        self.rollout.set_version(version)
-        self.rollout.resume()
+        if resume:
+            self.rollout.end_weight_update(version)
 
     # --- the loop ---
 
     def train(
         self,
         workflow: Any,
-        workflow_kwargs: dict[str, Any] | None = None,
         eval_workflow: Any = None,
+        workflow_kwargs: dict[str, Any] | None = None,
         eval_workflow_kwargs: dict[str, Any] | None = None,
         dynamic_filter_fn: str | None = None,
         total_epochs: int | None = None,
     ) -> None:
+        """Train until ``total_epochs`` (default ``total_train_epochs``) or
+        ``total_train_steps``.
+
+        ``workflow`` and ``eval_workflow`` are :class:`RolloutWorkflow` instances, classes
+        or import paths, or import paths of agents (run through rollout proxies). With an
+        ``eval_workflow`` and a ``valid_dataset``, every valid row is rolled out
+        (``eval_gconfig.n_samples`` samples each, ``is_eval``) after the weight update of
+        each step the ``evaluator`` schedule fires at; its stats go under
+        ``eval-rollout/``.
+        """
+        if isinstance(eval_workflow, Mapping):
+            raise TypeError(
+                "train(workflow, eval_workflow=None, workflow_kwargs=None, ...): the second "
+                "positional argument is the eval workflow, but a dict was given; pass "
+                "workflow_kwargs=... by keyword"
+            )
         cfg = self.config
         epochs = total_epochs or cfg.total_train_epochs
         if epochs <= 0:
@@ -235,12 +281,19 @@ class PPOTrainer:
         proxy_addr = None
         if not _is_workflow(workflow):
             tokenizer_path = cfg.tokenizer_path or cfg.actor.path
-            proxy_addr = self.rollout.start_proxies(tokenizer_path)[0]
+            proxy_addr = self.rollout.start_proxies(
+                tokenizer_path, expected_temperature=cfg.actor.temperature
+            )[0]
         from areal.utils.saving import StepInfo
         from areal.utils.stats_logger import ProgressDisplay
 
         progress = ProgressDisplay(total_steps=max_steps, start_step=start)
         with self._failures_named(), progress:
+            evaluate = self._eval_pass(eval_workflow, eval_workflow_kwargs)
+            before_train: dict[str, float] = {}
+            if evaluate is not None and start == 0 and cfg.evaluator.eval_before_train:
+                with stats_tracker.get().record_timing("eval"):
+                    before_train = _rescope(evaluate(), "eval-rollout", "eval-rollout/before_train")
             for global_step in range(start, max_steps):
                 epoch, epoch_step = divmod(global_step, steps_per_epoch)
                 step_info = StepInfo(epoch, epoch_step, global_step, steps_per_epoch)
@@ -258,12 +311,17 @@ class PPOTrainer:
                         proxy_addr=proxy_addr,
                         batch_size=cfg.train_dataset.batch_size,
                     )
-                self._dump(batch, global_step)
+                self._record_trained(batch, global_step)
                 if self.colocated:
                     with tracker.record_timing("offload_rollout"):
-                        self.rollout.pause()
-                        self.rollout.pause_generation()
+                        # the weight-update barrier closes now: idle servers while the actor trains
+                        self.rollout.begin_weight_update(global_step + 1)
                         self.rollout.offload()
+                if self.ref is not None:  # the KL penalty's reference (actor.kl_ctl > 0)
+                    with tracker.record_timing("ref_logp"):
+                        logps = self.ref.compute_logp(batch)
+                        for trajectory, logp in zip(batch, logps, strict=True):
+                            trajectory["ref_logp"] = logp
                 if self.actor.should_compute_prox_logp():
                     with tracker.record_timing("recompute_logp"):
                         logps = self.actor.compute_logp(batch)
@@ -274,17 +332,30 @@ class PPOTrainer:
                 with tracker.record_timing("train_step"):
                     update_stats = self.actor.ppo_update(advantaged)
                     self.actor.step_lr_scheduler()
+                # --- weight update: one barrier on the rollout side, from here to the
+                # step's end (evaluation, save and checkpoint see no rollout running) ---
                 self.rollout.check_health()  # never start a weight update towards a dead server
-                self.rollout.pause()
+                version = global_step + 1
+                self.rollout.begin_weight_update(version)
                 if self.colocated:
                     with tracker.record_timing("onload_rollout"):
                         self.rollout.onload()
                 with tracker.record_timing("update_weights"):
-                    version = global_step + 1
-                    self.actor.update_weights(self._meta_for(version))
-                    self.actor.set_version(version)
-                    self.rollout.set_version(version)
+                    self._push_weights(version, resume=False)
                 sync_stats = self._check_weight_sync()
+                # --- evaluation (after the weight update, before the recover checkpoint
+                # records the evaluator's schedule) ---
+                eval_stats = before_train
+                before_train = {}
+                if evaluate is not None:
+                    self.eval_rollout.set_version(version)
+                    with tracker.record_timing("eval"):
+                        self.evaluator.evaluate(
+                            lambda into=eval_stats: into.update(evaluate()),
+                            epoch,
+                            epoch_step,
+                            global_step,
+                        )
                 with tracker.record_timing("save"):
                     self.saver.save(
                         self.actor, epoch, epoch_step, global_step, tokenizer=self.tokenizer
@@ -303,12 +374,70 @@ class PPOTrainer:
                 stats.update(stats_tracker.export_all())
                 stats.update(_batch_stats(batch, update_stats, time.monotonic() - began))
                 stats.update(sync_stats)
+                stats.update(eval_stats)
                 stats["train/weight_version"] = float(version)
                 self.stats_logger.commit(epoch, epoch_step, global_step, stats)
                 progress.update(global_step + 1, stats)
                 self.after_step(step_info, stats)
                 if global_step + 1 < max_steps:  # nothing is launched for a step that never runs
-                    self.rollout.resume()
+                    self.rollout.end_weight_update(version)
+
+    # --- evaluation ---
+
+    def _eval_pass(
+        self, eval_workflow: Any, eval_workflow_kwargs: dict[str, Any] | None
+    ) -> Callable[[], dict[str, float]] | None:
+        """One evaluation over every valid row, as a function returning its stats; None
+        without an eval workflow or valid rows (then no eval worker starts: DESIGN 17)."""
+        if eval_workflow is None:
+            return None
+        rows = self.valid_dataset
+        if rows is None or len(rows) == 0:
+            logger.warning("an eval workflow was given but no valid_dataset rows: no evaluation")
+            return None
+        cfg = self.config
+        schedule = cfg.evaluator
+        freqs = (schedule.freq_epochs, schedule.freq_steps, schedule.freq_secs)
+        if all(f is None for f in freqs) and not schedule.eval_before_train:
+            logger.warning(
+                "an eval workflow was given but evaluator.freq_epochs, freq_steps and "
+                "freq_secs are all null (and eval_before_train is false): no evaluation"
+            )
+            return None
+        if self.eval_rollout is None:
+            # its own workers (forked beside the rollout workers) on the same servers; it
+            # only runs while the training rollout is paused, so it has no staleness bound
+            eval_cfg = dataclasses.replace(
+                self.rollout.config, max_head_offpolicyness=10**12, health_check_interval=0.0
+            )
+            self.eval_rollout = RolloutController(eval_cfg, self.scheduler, role="eval-rollout")
+            self.eval_rollout.initialize(
+                len(self.rollout.workers),
+                dataclasses.replace(cfg.rollout.scheduling_spec[0], gpu=0),
+                server_addrs=list(self.rollout.server_addrs),
+                strategy=SchedulingStrategy(type="colocation", target="rollout", fork=True),
+            )
+            self.eval_rollout.set_version(self.rollout.get_version())
+        proxy_addr = None
+        if not _is_workflow(eval_workflow):
+            tokenizer_path = cfg.tokenizer_path or cfg.actor.path
+            proxy_addr = self.eval_rollout.start_proxies(tokenizer_path)[0]
+        n_samples = (cfg.eval_gconfig or cfg.gconfig).n_samples
+
+        def evaluate() -> dict[str, float]:
+            results = self.eval_rollout.rollout_batch(
+                (rows[i] for i in range(len(rows))),
+                eval_workflow,
+                eval_workflow_kwargs,
+                group_size=n_samples,
+                is_eval=True,
+                proxy_addr=proxy_addr,
+            )
+            stats = self.eval_rollout.export_stats()
+            stats.update(_eval_stats(results))
+            return stats
+
+        return evaluate
 
     @contextlib.contextmanager
     def _failures_named(self) -> Iterator[None]:
@@ -347,20 +476,37 @@ class PPOTrainer:
     def after_step(self, step_info: Any, stats: dict[str, float]) -> None:
         """Called after each step (weights synced, rollout still paused); override to probe."""
 
-    def _dump(self, batch: list[dict], global_step: int) -> None:
-        """One JSONL per group; the name says which step trained it (``step{k}-task{i}``)."""
+    def _record_trained(self, batch: list[dict], global_step: int) -> None:
+        """With ``rollout.dump_to_file``: one line per step in ``rollout/trained.jsonl``
+        naming the groups the step trains (each group's prompt and rewards). The workers'
+        dumps hold every finished group, accepted, rejected or drawn ahead and lost to a
+        crash; this says which ones training used. A step run again after a resume appends
+        a new line: the last line of a step is the one that counted."""
         if not self.config.rollout.dump_to_file:
             return
-        from areal.utils.trajectory_dump import dump_trajectories
+        from areal.utils.trajectory_dump import trajectory_records
 
-        for i, group in enumerate(batch):
-            task_id = f"step{global_step}-task{i}"
-            dump_trajectories(group, self.tokenizer, self.log_dir, "rollout", task_id)
+        groups = []
+        for group in batch:
+            records = trajectory_records([group], self.tokenizer, "")
+            groups.append(
+                {
+                    "prompt": records[0]["prompt"] if records else None,
+                    "rewards": [float(r) for r in group["rewards"].reshape(-1)],
+                }
+            )
+        line = json.dumps({"global_step": global_step, "groups": groups}, ensure_ascii=False)
+        directory = self.log_dir / "rollout"
+        directory.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+        fd = os.open(directory / "trained.jsonl", flags, 0o600)
+        with os.fdopen(fd, "a", encoding="utf-8") as out:
+            out.write(line + "\n")
 
     # --- teardown ---
 
     def close(self) -> None:
-        for part in ("rollout", "actor"):
+        for part in ("eval_rollout", "rollout", "ref", "actor"):
             component = getattr(self, part, None)
             if component is not None:
                 try:
@@ -403,6 +549,30 @@ def _batch_stats(batch: list[dict], update_stats: list[dict], seconds: float) ->
     if norms:
         out["ppo_actor/grad_norm"] = sum(norms) / len(norms)
     return out
+
+
+def _eval_stats(results: list[dict | None]) -> dict[str, float]:
+    """Rows evaluated and rejected, and the mean reward over every accepted sample."""
+    rewards = [
+        float(r)
+        for trajectory in results
+        if trajectory is not None and trajectory.get("rewards") is not None
+        for r in trajectory["rewards"].reshape(-1)
+    ]
+    out = {
+        "eval-rollout/n_rows": float(len(results)),
+        "eval-rollout/n_rejected": float(sum(t is None for t in results)),
+        "eval-rollout/n_samples": float(len(rewards)),
+    }
+    if rewards:
+        out["eval-rollout/reward_mean"] = sum(rewards) / len(rewards)
+    return out
+
+
+def _rescope(stats: dict[str, float], scope: str, into: str) -> dict[str, float]:
+    """``<scope>/<name>`` keys renamed ``<into>/<name>``; others unchanged."""
+    prefix = scope + "/"
+    return {(into + k[len(scope) :] if k.startswith(prefix) else k): v for k, v in stats.items()}
 
 
 def _inference_api_key(scheduler: Any) -> str:

@@ -199,9 +199,10 @@ class RecoverHandler:
     ) -> RecoverInfo | None:
         """Restore the latest recover point into the given objects, or ``None`` if none.
 
-        With an ``inference_engine``, the restored weights are pushed to it through
-        ``engine.update_weights(weight_update_meta)`` (paused meanwhile), and both sides
-        are set to version ``global_step + 1``.
+        With an ``inference_engine`` (connected to ``engine`` in this process), the
+        restored weights are pushed to it through ``engine.update_weights(weight_update_meta)``
+        inside its weight-update barrier, and both sides are set to version
+        ``global_step + 1``.
         """
         if not self.enabled:
             return None
@@ -231,12 +232,9 @@ class RecoverHandler:
 
         version = info.last_step_info.global_step + 1
         if inference_engine is not None:
-            inference_engine.pause()
-            try:
-                engine.update_weights(_meta_with_version(weight_update_meta, version))
-            finally:
-                inference_engine.resume()
-            inference_engine.set_version(version)
+            inference_engine.begin_weight_update(version)
+            engine.update_weights(_meta_with_version(weight_update_meta, version))
+            inference_engine.end_weight_update(version)
         if hasattr(engine, "set_version"):
             engine.set_version(version)
         logger.info(

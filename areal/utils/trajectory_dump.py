@@ -1,7 +1,10 @@
-"""JSONL dumps of rollout groups for inspection (``rollout.dump_to_file``).
+"""JSONL dumps of rollout groups for inspection (``rollout.dump_to_file``, §9.5).
 
-One file per group, ``{root}/{role}/{max version in group}/{task_id}.jsonl``, one line per
-sample:
+The rollout worker that ran a group writes it once it is finished, accepted or rejected
+by ``should_accept_fn`` (:class:`RolloutDumper`), so rejected groups are visible too. One
+file per group, ``{fileroot}/logs/{user}/{exp}/{trial}/{rollout|eval-rollout}/{max version
+in group}/{task_id}.jsonl`` (``{root}/{role}/...`` for :func:`dump_trajectories`), one
+line per sample:
 
 * ``task_id``, ``sample_idx`` (row in the group), ``seqlen`` (non-padding tokens);
 * ``prompt_len``: index of the first trainable token;
@@ -29,15 +32,16 @@ import contextlib
 import json
 import os
 import stat
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from areal.utils.paths import path_name_problem
+from areal.utils.paths import get_log_path, path_name_problem
 
-__all__ = ["DumpPathError", "dump_trajectories", "trajectory_records"]
+__all__ = ["DumpPathError", "RolloutDumper", "dump_trajectories", "trajectory_records"]
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -158,6 +162,49 @@ def dump_trajectories(
     text = "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
     _write_under(Path(root), parts, filename, text.encode("utf-8"))
     return Path(root).joinpath(*parts, filename)
+
+
+class RolloutDumper:
+    """Writes a rollout worker's finished groups under the trial's log directory.
+
+    ``config`` is the worker's ``rollout`` config: ``fileroot``, ``experiment_name`` and
+    ``trial_name`` place the files (the trainer fills them in), ``tokenizer_path`` decodes
+    the text fields (empty leaves them ``null``). The tokenizer loads on the first dump.
+    """
+
+    def __init__(self, config: Any):
+        missing = [
+            f"rollout.{name}"
+            for name in ("fileroot", "experiment_name", "trial_name")
+            if not getattr(config, name, None)
+        ]
+        if missing:
+            raise ValueError(
+                f"rollout.dump_to_file needs {', '.join(missing)} (the trainer sets them from "
+                "cluster.fileroot, experiment_name and trial_name)"
+            )
+        self.root = get_log_path(config.fileroot, config.experiment_name, config.trial_name)
+        self._tokenizer_path = getattr(config, "tokenizer_path", "") or ""
+        self._tokenizer: Any = None
+        self._lock = threading.Lock()
+
+    def _get_tokenizer(self) -> Any:
+        with self._lock:
+            if self._tokenizer is None and self._tokenizer_path:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self._tokenizer_path)
+            return self._tokenizer
+
+    def dump(
+        self,
+        trajectory: Mapping[str, torch.Tensor] | Sequence[Mapping[str, torch.Tensor]],
+        task_id: int | str,
+        is_eval: bool,
+    ) -> Path | None:
+        """Write one group (see :func:`dump_trajectories`); the file, or ``None``."""
+        role = "eval-rollout" if is_eval else "rollout"
+        return dump_trajectories(trajectory, self._get_tokenizer(), self.root, role, task_id)
 
 
 def _enter(dir_fd: int, name: str, shown: Path) -> int:

@@ -14,6 +14,13 @@ pins the grader the Stream has now (failing on drift from a pinned ``expected_re
 and settles the Harness protocol. Workers get the resolved Stream list inline, so they need
 neither the streams file nor the base64 payload, and each rollout checks the pin again.
 
+Evaluation is opt-in: with validation rows (in Arena mode every row of the held-out
+``econfig.arena_eval_streams``, or else the training mixture's; in JSONL mode
+``valid_dataset.path``) and an ``evaluator`` frequency (or
+``evaluator.eval_before_train``), the same workflow decodes every valid row greedily
+(temperature 0) on that schedule, logged under ``eval-rollout/``. Otherwise no eval workers
+or proxies start.
+
 With ``econfig.arena_base_url: local``, a local Arena (``examples/swe/local_arena``) runs
 inside this process for the whole run. Its URL and a fresh token reach the workers through
 the environment, never through argv or a saved config.
@@ -58,7 +65,9 @@ __all__ = [
     "as_dataset",
     "build_training_inputs",
     "build_workflow_kwargs",
+    "evaluation_scheduled",
     "get_arena_dataset",
+    "get_arena_eval_dataset",
     "get_arena_mixture_dataset",
     "get_stream_rows",
     "get_swe_dataset",
@@ -233,6 +242,41 @@ def get_arena_mixture_dataset(
             remainder,
         )
     return as_dataset(rows), resolved
+
+
+def get_arena_eval_dataset(
+    econfig: Any,
+    training: list[ArenaStreamConfig],
+    *,
+    client: ArenaOpenAPIClient | None = None,
+) -> tuple[Dataset, list[ArenaStreamConfig]]:
+    """Every row of the held-out ``econfig.arena_eval_streams`` once, and those Streams.
+
+    They must be other Streams than the ``training`` ones (names and ids), so no
+    evaluated task is also trained on.
+    """
+    held_out = {
+        "arena_streams": list(econfig.arena_eval_streams),
+        "arena_streams_yaml_b64": "",
+        "arena_streams_file": "",
+        "arena_mixture_epoch_size": 0,
+        "arena_task_envs": dict(_setting(econfig, "arena_task_envs", {}) or {}),
+        "arena_harness": _setting(econfig, "arena_harness", ""),
+        **{
+            key: _setting(econfig, key, None)
+            for key in ("arena_base_url", "arena_request_timeout", "arena_request_retries")
+        },
+    }
+    configured = load_arena_stream_configs(held_out)
+    for stream in configured:
+        clash = [t for t in training if stream.name == t.name or stream.stream_id == t.stream_id]
+        if clash:
+            raise ValueError(
+                f"econfig.arena_eval_streams: {stream.name!r} ({stream.stream_id}) is also a "
+                f"training Stream ({clash[0].name!r}, {clash[0].stream_id}); a held-out Stream "
+                "must be another Stream with another name"
+            )
+    return get_arena_mixture_dataset(held_out, client=client)
 
 
 def get_arena_dataset(
@@ -422,6 +466,9 @@ def build_training_inputs(
             econfig, size_multiple=config.train_dataset.batch_size, client=arena_client
         )
         valid = train
+        if econfig.arena_eval_streams:
+            valid, eval_streams = get_arena_eval_dataset(econfig, streams, client=arena_client)
+            streams = [*streams, *eval_streams]  # the workers launch tasks of both
         pin_streams_for_workers(econfig, streams)
         workflow = ARENA_WORKFLOW
     elif source == "jsonl":
@@ -442,6 +489,14 @@ def build_training_inputs(
     return TrainingInputs(train, valid, workflow, workflow_kwargs, eval_workflow_kwargs)
 
 
+def evaluation_scheduled(config: SWEPPOConfig, inputs: TrainingInputs) -> bool:
+    """Whether there are valid rows and an ``evaluator`` schedule to evaluate them on."""
+    ev = config.evaluator
+    frequencies = (ev.freq_epochs, ev.freq_steps, ev.freq_secs)
+    scheduled = ev.eval_before_train or any(f is not None for f in frequencies)
+    return scheduled and inputs.valid_dataset is not None and len(inputs.valid_dataset) > 0
+
+
 def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore", category=UserWarning, module="pydantic")
     config, _ = load_expr_config(argv, SWEPPOConfig)
@@ -451,11 +506,10 @@ def main(argv: list[str]) -> None:
         with PPOTrainer(
             config, train_dataset=inputs.train_dataset, valid_dataset=inputs.valid_dataset
         ) as trainer:
-            # No eval workflow: evaluation is off, so no eval workers or proxies start.
             trainer.train(
                 workflow=inputs.workflow,
                 workflow_kwargs=inputs.workflow_kwargs,
-                eval_workflow=None,
+                eval_workflow=inputs.workflow if evaluation_scheduled(config, inputs) else None,
                 eval_workflow_kwargs=inputs.eval_workflow_kwargs,
                 dynamic_filter_fn=config.should_accept_fn,
             )

@@ -42,6 +42,12 @@ class SWEEnvConfig(ConfigNode):
     arena_mixture_epoch_size: int = cfg_field(
         0, help="Rows per epoch drawn by weight; 0 uses every row of every Stream once."
     )
+    arena_eval_streams: list[ArenaStreamConfig] = cfg_field(
+        factory=list,
+        help="Held-out Streams (other Streams than the training ones) whose rows, each once, "
+        "form the validation set, evaluated at temperature 0 on the evaluator schedule; "
+        "empty evaluates the training mixture's rows.",
+    )
     arena_result_dump_dir: str = cfg_field(
         "",
         help="Directory of mode-0600 JSONL audit shards; empty disables them. Checked when "

@@ -105,6 +105,8 @@ class RecordingTokenizerManager:
 
     def __init__(self) -> None:
         self.calls: list[dict[str, Any]] = []
+        # 0.5.10's /update_weight_version sets the version here; 0.5.23 calls the method
+        self.server_args = types.SimpleNamespace(weight_version="default")
 
     def _record(self, method: str, obj: Any, **extra: Any) -> None:
         entry = {"method": method, "class": type(obj).__name__, "fields": fields_of(obj)}
@@ -140,6 +142,9 @@ class RecordingTokenizerManager:
 
     async def continue_generation(self, obj: Any):
         self._record("continue_generation", obj)
+
+    async def update_weight_version(self, obj: Any):
+        self._record("update_weight_version", obj)
 
     def abort_request(self, rid: str = "", abort_all: bool = False):
         # the route passes the parsed AbortReq's two fields, not the object

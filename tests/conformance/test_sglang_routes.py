@@ -33,6 +33,7 @@ ROUTE_CLASS = {
     "/update_weights_from_distributed": "UpdateWeightsFromDistributedReqInput",
     "/pause_generation": "PauseGenerationReqInput",
     "/continue_generation": "ContinueGenerationReqInput",
+    "/update_weight_version": "UpdateWeightVersionReqInput",
     "/abort_request": "AbortReq",
     "/release_memory_occupation": "ReleaseMemoryOccupationReqInput",
     "/resume_memory_occupation": "ResumeMemoryOccupationReqInput",
@@ -144,6 +145,20 @@ def test_group_request_fields_arrive_as_sglangs_types(sglang: SGLangWorker):
             "world_size": "int",
         }
         assert fields["backend"] == {"value": "gloo", "type": "str"}
+
+
+def test_the_weight_version_route_takes_our_body(sglang: SGLangWorker):
+    """``end_weight_update`` sets each server's weight version; 0.5.10 stores it itself,
+    0.5.23 hands the parsed request to the tokenizer manager."""
+    request = BACKEND.weight_version_request(3)
+    answer = sglang.call(
+        "route", method=request.method, path=request.endpoint, body=request.payload
+    )
+    assert answer["status"] == 200, answer["text"]
+    for call in answer["calls"]:  # nothing is aborted: abort_all_requests is false
+        assert call["class"] == ROUTE_CLASS[request.endpoint]
+        assert unwrap(call["fields"]["new_version"]) == "3"
+        assert unwrap(call["fields"]["abort_all_requests"]) is False
 
 
 def test_pause_modes_and_memory_tags_mean_what_the_client_intends(sglang: SGLangWorker):

@@ -68,22 +68,16 @@ def _trial_dir(root: Path, trial: str) -> Path:
 
 
 def _trained_prompts(root: Path, trial: str) -> dict[int, list[str]]:
-    """The prompt of each group every step trained, from the trajectory dumps.
+    """The prompt of each group every step trained, from the trainer's ``trained.jsonl``.
 
-    A step run again after the resume rewrites ``step{k}-task{i}.jsonl`` (maybe under
-    another version directory), so the newest file of each ``(k, i)`` is what step ``k``
-    trained in the run that reached the end.
+    A step run again after the resume appends another line for it: the last line of each
+    step is what that step trained in the run that reached the end.
     """
-    newest: dict[tuple[int, int], Path] = {}
-    for path in (_trial_dir(root, trial) / "rollout").glob("*/step*-task*.jsonl"):
-        step, task = (int(x) for x in path.stem.removeprefix("step").split("-task"))
-        if (step, task) not in newest or path.stat().st_mtime > newest[step, task].stat().st_mtime:
-            newest[step, task] = path
+    path = _trial_dir(root, trial) / "rollout" / "trained.jsonl"
     by_step: dict[int, list[str]] = {}
-    for (step, _), path in sorted(newest.items()):
-        samples = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
-        assert len({s["prompt"] for s in samples}) == 1  # one group, one prompt
-        by_step.setdefault(step, []).append(samples[0]["prompt"])
+    for line in path.read_text().splitlines():
+        entry = json.loads(line)
+        by_step[entry["global_step"]] = [group["prompt"] for group in entry["groups"]]
     return by_step
 
 

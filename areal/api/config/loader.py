@@ -47,6 +47,8 @@ __all__ = [
     "parse_cli_args",
     "save_config",
     "to_structured_cfg",
+    "unused_fields_set",
+    "warn_unused_fields",
 ]
 
 logger = logging.getLogger("config")
@@ -387,6 +389,138 @@ def save_config(cfg: Any, log_dir: str | os.PathLike[str]) -> Path:
     return target
 
 
+# --- fields that are accepted but read by nothing ---
+
+# Fields kept so that AReaL configs load unchanged, but that nothing in this port reads,
+# by the config class that declares them. Setting one to a value other than its default
+# warns once per run, naming the field, instead of silently doing nothing. (Fields whose
+# only effect is refused at load, e.g. the LoRA ones, SAPO's and the overlong penalty's,
+# are left out: the flag that would use them already fails with its own message.)
+UNUSED_FIELDS: dict[str, tuple[str, ...]] = {
+    "BaseExperimentConfig": (
+        "allocation_mode",
+        "total_train_n_seqs",
+        "post_exit_hook",
+        "memory_profiler",
+    ),
+    "PPOConfig": ("teacher",),
+    "SchedulerConfig": (
+        "deploy_mode",
+        "functioncall_service_domain",
+        "reward_functioncall_config",
+        "reward_model_path",
+        "reward_model_service_url",
+    ),
+    "_DatasetConfig": ("dataset_kwargs", "num_dataset_workers", "num_workers", "pin_memory"),
+    "PerfTracerConfig": ("enabled", "save_interval", "profile_steps"),
+    "SessionTracerConfig": ("enabled", "flush_threshold"),
+    "GenerationHyperparameters": ("use_beam_search",),
+    "AgentConfig": ("agent_cls_path", "set_reward_finish_timeout"),
+    "InferenceEngineConfig": (
+        "api_url",
+        "provider_api_key",
+        "check_trajectory_format",
+        "return_routed_experts",
+        "routing_strategy",
+        "serialize_group_samples",
+        "workers_ready_timeout",
+    ),
+    "TrainEngineConfig": (
+        "attn_impl",
+        "optimizer_dtype",
+        "enable_tree_training",
+        "is_critic",
+        "enable_delta_weight_update",
+        "weight_update_anchor_interval",
+        "weight_update_delta_method",
+    ),
+    "PPOActorConfig": ("log_agent_stats", "log_agent_stats_keys", "m2_threshold"),
+    "FSDPEngineConfig": (
+        "offload_params",
+        "memory_efficient_load",
+        "optim_step_prefetch_layers",
+        "per_layer_optim_step",
+        "shard_vision_across_sp",
+    ),
+    "MegatronEngineConfig": (
+        "async_save",
+        "bridge_type",
+        "cross_entropy_loss_fusion",
+        "disable_grad_buffers_cpu_backup",
+        "distribute_saved_activations",
+        "enable_chunked_logits",
+        "enable_mtp",
+        "entropy_requires_grad",
+        "exp_avg_dtype",
+        "exp_avg_sq_dtype",
+        "fp8_config",
+        "lm_head_loss_chunk_size",
+        "main_grads_dtype",
+        "main_params_dtype",
+        "moe_enable_deepep",
+        "moe_permute_fusion",
+        "moe_router_fusion",
+        "moe_shared_expert_overlap",
+        "overlap_param_gather_with_optimizer_step",
+        "use_bridge_for_update_weights",
+        "use_checkpoint_opt_param_scheduler",
+        "use_custom_fsdp",
+        "use_mbridge_save",
+        "use_torch_fsdp2",
+    ),
+}
+_warned_unused: set[str] = set()
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return dataclasses.MISSING
+
+
+def unused_fields_set(cfg: Any, path: str = "") -> list[tuple[str, dataclasses.Field]]:
+    """``(dotted path, field)`` of every field of :data:`UNUSED_FIELDS` that ``cfg`` sets
+    to a value other than its default."""
+    found: list[tuple[str, dataclasses.Field]] = []
+    if not dataclasses.is_dataclass(cfg) or isinstance(cfg, type):
+        return found
+    unused = {name for cls in type(cfg).__mro__ for name in UNUSED_FIELDS.get(cls.__name__, ())}
+    for f in dataclasses.fields(cfg):
+        dotted = f"{path}.{f.name}" if path else f.name
+        value = getattr(cfg, f.name)
+        if f.name in unused:
+            default = _default(f)
+            if default is not dataclasses.MISSING and value != default:
+                found.append((dotted, f))
+                continue  # an unused section: nothing inside it matters either
+        if dataclasses.is_dataclass(value):
+            found.extend(unused_fields_set(value, dotted))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                found.extend(unused_fields_set(item, f"{dotted}[{i}]"))
+    return found
+
+
+def warn_unused_fields(cfg: Any) -> list[str]:
+    """Warn once per run about each accepted-but-unused field ``cfg`` sets; their paths."""
+    paths = []
+    for dotted, f in unused_fields_set(cfg):
+        paths.append(dotted)
+        if dotted in _warned_unused:
+            continue
+        _warned_unused.add(dotted)
+        default = "" if f.metadata.get("secret") else f" (default {_default(f)!r})"
+        logger.warning(
+            "config key '%s' is set but this port never reads it, so it has no effect; "
+            "remove it or keep its default%s",
+            dotted,
+            default,
+        )
+    return paths
+
+
 # --- the entry point ---
 
 
@@ -400,6 +534,7 @@ def load_expr_config(argv: list[str], config_cls: type[ConfigT]) -> tuple[Config
     composed, config_file = parse_cli_args(argv, config_cls)
     structured = to_structured_cfg(composed, config_cls)
     cfg = instantiate_config(structured, config_cls)
+    warn_unused_fields(cfg)
     cluster = getattr(cfg, "cluster", None)
     if cluster is not None:
         try:

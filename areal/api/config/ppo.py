@@ -6,13 +6,14 @@ import copy
 from dataclasses import dataclass
 
 from areal.api.config.experiment import BaseExperimentConfig
-from areal.api.config.fields import FieldError, cfg_field
+from areal.api.config.fields import MISSING, FieldError, cfg_field
 from areal.api.config.inference import (
     GenerationHyperparameters,
     InferenceEngineConfig,
     SGLangConfig,
     vLLMConfig,
 )
+from areal.api.config.scheduling import SchedulingStrategy
 from areal.api.config.train import PPOActorConfig, PPOCriticConfig, TeacherConfig
 
 __all__ = ["GRPOConfig", "PPOConfig"]
@@ -33,7 +34,9 @@ class PPOConfig(BaseExperimentConfig):
     )
     actor: PPOActorConfig = cfg_field(factory=PPOActorConfig, help="The policy being trained.")
     ref: PPOActorConfig | None = cfg_field(
-        None, help="Reference model; built only when actor.kl_ctl > 0."
+        None,
+        help="Reference model of the KL penalty, built only when actor.kl_ctl > 0; null "
+        "then means a frozen copy of the actor forked next to the actor's workers.",
     )
     critic: PPOCriticConfig | None = cfg_field(None, help="Value model (unused by GRPO).")
     teacher: TeacherConfig | None = cfg_field(None, help="Teacher model (not supported).")
@@ -63,6 +66,32 @@ class PPOConfig(BaseExperimentConfig):
             )
         if self.rollout.use_lora and not self.rollout.lora_name:
             self.rollout.lora_name = self.gconfig.lora_name
+
+    def ref_config(self) -> PPOActorConfig | None:
+        """The reference model's engine config; None when ``actor.kl_ctl`` is 0.
+
+        It is ``ref`` when set, else a copy of the actor colocated with it (a forked process
+        beside each actor worker, on its devices). Unset ``path``, ``backend`` and names are
+        the actor's. The ref never trains (no optimizer) and scores tokens at the actor's
+        temperature, so its log-probs compare with the sampling policy's.
+        """
+        actor = self.actor
+        if actor.kl_ctl == 0:
+            return None
+        # a copy with fields set, not dataclasses.replace: validation (and its warnings)
+        # already ran on the node copied
+        ref = copy.deepcopy(self.ref if self.ref is not None else actor)
+        if self.ref is None:
+            ref.scheduling_strategy = SchedulingStrategy(
+                type="colocation", target="actor", fork=True
+            )
+        for name in ("path", "backend", "experiment_name", "trial_name"):
+            if getattr(ref, name) in ("", MISSING):
+                setattr(ref, name, getattr(actor, name))
+        ref.optimizer = None
+        ref.temperature = actor.temperature
+        ref.weight_sync_check = False
+        return ref
 
 
 @dataclass

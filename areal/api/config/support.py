@@ -86,6 +86,48 @@ def _lora(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
             )
 
 
+def _reference_model(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    # kl_ctl > 0 without reference log-probs would score every token against 0, turning
+    # the penalty -kl_ctl x logp into a bonus; so a ref is built, or the config refused.
+    ref = cfg.ref_config()
+    if ref is None:
+        return
+    where = "ref" if cfg.ref is not None else "actor"  # where the ref's settings come from
+    off = "or set actor.kl_ctl: 0 to train without a KL penalty"
+    if ref.init_from_scratch:
+        yield FieldError(
+            "actor.kl_ctl",
+            f"{cfg.actor.kl_ctl} needs a reference model that holds the initial policy, but "
+            f"{where}.init_from_scratch is true (a second random model is another policy); "
+            f"load weights ({where}.init_from_scratch: false), {off}",
+        )
+    try:
+        ref_layout = parse_backend(ref.backend)
+    except FieldError as e:
+        yield e.with_prefix("ref")
+        return
+    if ref_layout.backend not in ("fsdp", "megatron"):
+        yield FieldError(
+            "ref.backend", f"{ref.backend!r}: the reference model runs on fsdp or megatron, {off}"
+        )
+    strategy = ref.scheduling_strategy
+    if strategy.type != "colocation":
+        return
+    if strategy.target != "actor":
+        yield FieldError(
+            "ref.scheduling_strategy.target",
+            f"colocating the ref with {strategy.target!r} is not implemented; set "
+            f"ref.scheduling_strategy.target: actor or type: separation (own workers), {off}",
+        )
+    elif not strategy.fork and ref_layout.parallel.world_size == layout.actor.parallel.world_size:
+        yield FieldError(
+            "ref.scheduling_strategy.fork",
+            "false would put a second engine, with its own process group, inside each actor "
+            "worker process; set ref.scheduling_strategy.fork: true (a process beside each "
+            f"actor worker) or type: separation, {off}",
+        )
+
+
 # --- rollout placement ---
 
 
@@ -249,6 +291,7 @@ CHECKS: tuple[Check, ...] = (
     _fsdp_data_parallel_only,
     _colocation,
     _lora,
+    _reference_model,
     _sglang_flags,
     _context_budget,
     _consumer_batch,

@@ -435,7 +435,12 @@ class PPOActorConfig(TrainEngineConfig):
         "token", help="GAE over tokens or over turns.", choices=("token", "turn")
     )
     adv_norm: NormConfig | None = cfg_field(None, help="Advantage normalization.")
-    kl_ctl: float = cfg_field(0.1, help="KL penalty coefficient; the ref model is built if > 0.")
+    kl_ctl: float = cfg_field(
+        0.1,
+        help="KL penalty coefficient (>= 0): -kl_ctl x KL(old || ref) is added to each token's "
+        "reward. > 0 builds a reference model: `ref`, or a frozen copy of the actor next to "
+        "its workers; 0 turns the penalty and the ref off.",
+    )
     kl_estimator: str = cfg_field("k1", help="KL estimator.", choices=("k1", "k2", "k3"))
     use_sapo_loss: bool = cfg_field(False, help="SAPO soft-gated loss.")
     sapo_tau_pos: float = cfg_field(1.0, help="SAPO temperature for positive advantages.")
@@ -474,6 +479,10 @@ class PPOActorConfig(TrainEngineConfig):
             self.ppo_n_minibatches = 1
         if self.ppo_n_minibatches < 1:
             raise FieldError("ppo_n_minibatches", "must be >= 1")
+        if not (math.isfinite(self.kl_ctl) and self.kl_ctl >= 0):
+            raise FieldError(
+                "kl_ctl", f"must be a finite number >= 0 (got {self.kl_ctl}); 0 turns KL off"
+            )
         if self.enable_delta_weight_update and self.ppo_n_minibatches != 1:
             raise FieldError(
                 "enable_delta_weight_update", "delta weight updates need ppo_n_minibatches=1"

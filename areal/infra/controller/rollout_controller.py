@@ -5,8 +5,10 @@ its own inference server. The controller keeps the single :class:`StalenessManag
 the run: a dispatcher thread sends a task to a worker (round robin) only while the
 staleness bound and the concurrency limit leave room, and rows are drawn from the
 dataloader only when they can be dispatched, so in synchronous mode the dataloader
-position after step ``k`` is exactly ``(k + 1) x batch_size`` rows. Workers report a
-finished task to the callback server; a fetcher thread then collects its trajectory.
+position after step ``k`` is exactly ``(k + 1) x batch_size`` rows. One fetcher thread
+per worker long-polls it for finished tasks (``collect_finished``, over the signed worker
+RPC); a result stays on the worker until the next poll acknowledges it, so one lost on
+the way comes again and no task is left waiting (nothing listens on the controller).
 
 Rows drawn from a :class:`~areal.trainer.dataloader.StatefulDataLoader` stay outstanding
 in it until their group is handed to the trainer or rejected, so a recover checkpoint
@@ -16,8 +18,15 @@ A :class:`~areal.infra.controller.health.HealthSupervisor` probes every server a
 worker (``rollout.health_check_*``); when one is dead, dispatching stops at once and
 :meth:`wait`, :meth:`prepare_batch` and every call to the workers raise its error.
 
-The callback server also serves the train ranks' weight-update requests
-(:class:`RolloutCallback`), forwarding each to every rollout worker.
+Weight updates go through one barrier (DESIGN decision 10):
+:meth:`RolloutController.begin_weight_update` stops dispatching and closes every worker's
+barrier (no rollout starts, no generation request is sent there or by its proxies) and
+pauses the servers, aborting what is in flight; an interrupted generation keeps its
+partial output and goes on after the update, on the new weights.
+:meth:`~RolloutController.receive_weights` is the rollout side of the controller's
+weight-sync handshake (:mod:`areal.engine.weight_sync`), after which the servers serve
+again; :meth:`~RolloutController.end_weight_update` sets the version on every worker, its
+servers and proxies and resumes.
 """
 
 from __future__ import annotations
@@ -27,8 +36,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
-import os
-import queue
 import shutil
 import threading
 import time
@@ -38,20 +45,17 @@ from typing import Any
 
 from areal.api.cli_args import InferenceEngineConfig, SchedulingSpec, SchedulingStrategy
 from areal.api.io_struct import ParamSpec, WeightUpdateMeta
-from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Scheduler, Worker
-from areal.infra.controller.callback import CallbackServer, RolloutCallback
+from areal.api.scheduler_api import Job, Scheduler, Worker
 from areal.infra.controller.health import HealthSupervisor, HealthTarget, RolloutHealthError
 from areal.infra.staleness_manager import StalenessManager
 from areal.utils import logging, stats_tracker
-from areal.utils.network import gethostip
-from areal.utils.serving import serve_in_thread
 
 __all__ = ["RolloutController", "merge_worker_stats"]
 
 logger = logging.getLogger("rollout.controller")
 
 ENGINE_CLASS = "areal.engine.sglang_remote.RemoteSGLangEngine"
-RESCUE_AFTER = 30.0  # seconds without a completion report before the controller polls
+COLLECT_TIMEOUT = 1.0  # seconds a fetcher's long poll waits on its worker
 WATCH_PERIOD = 0.2  # seconds between health looks while waiting on worker calls
 
 
@@ -84,8 +88,7 @@ class RolloutController:
         self._pending: collections.deque[_Task] = collections.deque()
         self._inflight: dict[int, _Task] = {}
         self._results: dict[int, Any] = {}
-        self._completed: queue.Queue[int] = queue.Queue()
-        self._paused = False
+        self._barrier_closed = False  # between begin_weight_update and end_weight_update
         self._stopping = False
         self._error: Exception | None = None
         self._rejected_in_a_row = 0
@@ -98,8 +101,6 @@ class RolloutController:
         self._settle: Callable[[list[Any]], None] | None = None
         self._row_keys: dict[int, Any] = {}  # task id -> row key, until settled
         self._threads: list[threading.Thread] = []
-        self._server_cm: contextlib.AbstractContextManager | None = None
-        self.callback_addr = ""
         self.staleness: StalenessManager | None = None
         self._rr = itertools.count()
         self.proxy_addrs: list[str] = []
@@ -141,29 +142,15 @@ class RolloutController:
             consumer,
             self.config.max_head_offpolicyness,
         )
-        self._start_callback_server()
         self._start_health_supervisor()
-        for target, name in ((self._dispatch_loop, "dispatch"), (self._fetch_loop, "fetch")):
-            thread = threading.Thread(target=target, name=f"{self.role}-{name}", daemon=True)
+        loops = [(self._dispatch_loop, (), "dispatch")]
+        loops += [(self._fetch_loop, (w,), f"fetch-{i}") for i, w in enumerate(self.workers)]
+        for target, args, name in loops:
+            thread = threading.Thread(
+                target=target, args=args, name=f"{self.role}-{name}", daemon=True
+            )
             thread.start()
             self._threads.append(thread)
-
-    def _start_callback_server(self) -> None:
-        token = _scheduler_token(self.scheduler)
-        server = CallbackServer(
-            {
-                "rollout_complete": self._on_complete,
-                "pause_generation": self.pause_generation,
-                "continue_generation": self.continue_generation,
-                "update_weights_disk": self._update_weights_disk,
-                "init_weights_group": self._init_weights_group,
-                "update_weights_xccl": self._update_weights_xccl,
-            },
-            token,
-        )
-        self._server_cm = serve_in_thread(server.app, host="0.0.0.0")
-        url = self._server_cm.__enter__()
-        self.callback_addr = f"{gethostip()}:{url.rsplit(':', 1)[1]}"
 
     def _start_health_supervisor(self) -> None:
         c = self.config
@@ -222,12 +209,6 @@ class RolloutController:
                 self._on_health_failure(found)
         return self._health_error
 
-    def callback(self) -> RolloutCallback:
-        """The rollout engine handed to train ranks."""
-        return RolloutCallback(
-            self.callback_addr, self.config.experiment_name, self.config.trial_name
-        )
-
     def destroy(self) -> None:
         if self._health is not None:
             self._health.stop()
@@ -237,9 +218,6 @@ class RolloutController:
             self._lock.notify_all()
         for thread in self._threads:
             thread.join(timeout=10)
-        if self._server_cm is not None:
-            self._server_cm.__exit__(None, None, None)
-            self._server_cm = None
         with contextlib.suppress(Exception):
             self.scheduler.delete_workers(self.role)
 
@@ -274,43 +252,47 @@ class RolloutController:
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
 
-    # --- versions, pausing ---
+    # --- the weight-update barrier (the one pause path) and versions ---
 
     def get_version(self) -> int:
         return self._version
 
-    def set_version(self, version: int) -> None:
-        self._version = version
-        self._call_all("set_version", version)
+    def begin_weight_update(self, version: int) -> None:
+        """Close the barrier for the update to ``version``: dispatch nothing new; every
+        worker starts no rollout and sends no generation request (nor do its proxies);
+        every server pauses, aborting the requests in flight (their rollouts keep the
+        partial output and go on after :meth:`end_weight_update`). Idempotent."""
         with self._lock:
-            self._lock.notify_all()
-
-    def pause(self) -> None:
-        """Dispatch nothing new; running rollouts wait at their next generation request."""
-        self._paused = True
-        self._call_all("pause")
-
-    def resume(self) -> None:
-        self._paused = False
-        self._call_all("resume")
-        with self._lock:
-            self._lock.notify_all()
-
-    def pause_generation(self) -> None:
+            if self._barrier_closed:
+                return
+            self._barrier_closed = True
         self._set_servers_paused(True)
-        self._call_all("pause_generation")
+        self._call_all("begin_weight_update", version)
 
-    def continue_generation(self) -> None:
-        self._call_all("continue_generation")
+    def end_weight_update(self, version: int) -> None:
+        """Set ``version`` on the controller, every worker, its servers (their weight
+        version) and its proxies, then resume: the servers serve and rollouts go on.
+
+        Without a :meth:`begin_weight_update` before, this only sets the version (an
+        evaluation controller following the trained version, a recovered run)."""
+        self._version = version
+        self._call_all("end_weight_update", version)
         self._set_servers_paused(False)
+        with self._lock:
+            self._barrier_closed = False
+            self._lock.notify_all()
+
+    set_version = end_weight_update  # a version change is the end of an update
 
     def _set_servers_paused(self, paused: bool) -> None:
         with self._quiet_lock:
             self._servers_paused = paused
 
     def offload(self) -> None:
-        """Every server releases its accelerator memory (colocation: the actor trains)."""
-        self._set_servers_paused(True)  # until continue_generation after the weight update
+        """Every server releases its accelerator memory (colocation: the actor trains);
+        only inside the barrier, which keeps the servers idle until the weights are in."""
+        if not self._barrier_closed:
+            raise RuntimeError("begin_weight_update() before offloading the inference servers")
         with self._quiet():
             self._call_all("offload")
 
@@ -319,15 +301,9 @@ class RolloutController:
         with self._quiet():
             self._call_all("onload")
 
-    # --- weight updates forwarded from train ranks ---
+    # --- the rollout side of the weight-sync handshake (areal.engine.weight_sync) ---
 
-    def _update_weights_disk(self, meta: WeightUpdateMeta) -> None:
-        with self._quiet():
-            self._call_all("update_weights_from_disk", meta)
-        if self.clear_checkpoint_after_load and meta.path:
-            shutil.rmtree(meta.path, ignore_errors=True)
-
-    def _init_weights_group(self, meta: WeightUpdateMeta) -> None:
+    def init_weights_update_group(self, meta: WeightUpdateMeta) -> None:
         """Every worker's server joins the group at once; worker ``i`` runs server ``i``."""
         if meta.gen_n_servers != len(self.workers):
             raise ValueError(
@@ -341,20 +317,38 @@ class RolloutController:
         with self._quiet():
             self._watched(calls)
 
-    def _update_weights_xccl(self, meta: WeightUpdateMeta, param_specs: list[ParamSpec]) -> None:
+    def receive_weights(
+        self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]] | None = None
+    ) -> None:
+        """Every server loads the update (``disk``: ``meta.path`` once the trainer has
+        published it; ``xccl``: each bucket of ``buckets`` while the trainer broadcasts
+        it), then serves again; rollouts stay held until :meth:`end_weight_update`."""
         with self._quiet():
-            self._call_all("update_weights_from_distributed", meta, param_specs)
+            if meta.type == "disk":
+                self._call_all("update_weights_from_disk", meta)
+            else:
+                for specs in buckets or []:
+                    self._call_all("update_weights_from_distributed", meta, specs)
+            self._call_all("resume_serving")
+        self._set_servers_paused(False)
+        if meta.type == "disk" and self.clear_checkpoint_after_load and meta.path:
+            shutil.rmtree(meta.path, ignore_errors=True)
 
     # --- proxies for agent workflows ---
 
-    def start_proxies(self, tokenizer_path: str) -> list[str]:
+    def start_proxies(
+        self, tokenizer_path: str, expected_temperature: float | None = None
+    ) -> list[str]:
         """One rollout proxy per rollout worker, on its server (§5.1); their base URLs.
 
         Proxy ``i`` runs next to rollout worker ``i`` and in front of its server; tasks sent
-        to worker ``i`` carry ``proxy_addrs[i]``. Idempotent.
+        to worker ``i`` carry ``proxy_addrs[i]``. ``expected_temperature`` is
+        ``actor.temperature`` (the proxies count requests sampled otherwise). Idempotent.
         """
         if not self.proxy_addrs:
-            self.proxy_addrs = self._call_all("launch_proxy", tokenizer_path)
+            self.proxy_addrs = self._call_all(
+                "launch_proxy", tokenizer_path, expected_temperature=expected_temperature
+            )
             logger.info("rollout proxies: %s", self.proxy_addrs)
         return list(self.proxy_addrs)
 
@@ -391,7 +385,7 @@ class RolloutController:
                 if self._health_error is not None or self._error is not None:
                     return  # the run is failing: launch nothing more
                 task = None
-                if not self._paused and self.staleness.get_capacity() > 0:
+                if not self._barrier_closed and self.staleness.get_capacity() > 0:
                     task = self._next_task()
                 if task is None:
                     self._lock.wait(timeout=0.1)
@@ -417,7 +411,6 @@ class RolloutController:
                     "submit",
                     task.data,
                     task_id=task.task_id,
-                    callback_addr=f"http://{self.callback_addr}/callback/rollout_complete",
                     **kwargs,
                 )
             except Exception as e:
@@ -428,35 +421,21 @@ class RolloutController:
                 self._finish(task.task_id, None)
                 return
 
-    def _on_complete(self, task_id: int) -> None:
-        self._completed.put(int(task_id))
-
-    def _fetch_loop(self) -> None:
+    def _fetch_loop(self, worker: Worker) -> None:
+        """Long-poll ``worker`` for finished tasks; acknowledge what arrived next time."""
+        ack: list[int] = []
         while not self._stopping:
             try:
-                task_id = self._completed.get(timeout=1.0)
-            except queue.Empty:
-                self._rescue_stragglers()
+                finished = self._call(worker, "collect_finished", ack, timeout=COLLECT_TIMEOUT)
+            except Exception as e:  # a dead worker is the health supervisor's to report
+                if not self._stopping:
+                    logger.warning("collecting finished tasks from %s failed: %s", worker.id, e)
+                    time.sleep(COLLECT_TIMEOUT)
                 continue
-            task = self._inflight.get(task_id)
-            if task is None:
-                continue
-            try:
-                done, result = self._call(task.worker, "poll_task", task_id)
-            except Exception as e:
-                logger.error("fetching task %d from %s failed: %s", task_id, task.worker.id, e)
-                done, result = True, None
-            if done:
-                self._finish(task_id, result)
-            # else still running (a straggler poll): its completion report fetches it
-
-    def _rescue_stragglers(self) -> None:
-        """Poll tasks whose completion report may have been lost."""
-        now = time.monotonic()
-        for task in list(self._inflight.values()):
-            if now - task.started > RESCUE_AFTER:
-                task.started = now
-                self._completed.put(task.task_id)
+            ack = []
+            for task_id, trajectory in finished or []:
+                ack.append(int(task_id))
+                self._finish(int(task_id), trajectory)  # a repeat (lost ack) is ignored
 
     def _finish(self, task_id: int, trajectory: Any) -> None:
         with self._lock:
@@ -562,27 +541,50 @@ class RolloutController:
                 self._lock.notify_all()
         return self.wait(batch_size or self.config.consumer_batch_size)
 
+    def rollout_batch(
+        self,
+        rows: Iterable[Any],
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        timeout: float | None = None,
+        **submit_kwargs: Any,
+    ) -> list[Any]:
+        """Submit every row and wait for all of them (evaluation): one result per row, in
+        row order, ``None`` where the rollout was rejected. Nothing is drawn from a
+        dataloader, so this controller should not also serve :meth:`prepare_batch`."""
+        ids = [self.submit(row, workflow, workflow_kwargs, **submit_kwargs) for row in rows]
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while not all(task_id in self._results for task_id in ids):
+                self.check_health()
+                if self._error is not None:
+                    raise RuntimeError(f"rollout dispatch stopped: {self._error}") from self._error
+                if deadline is not None and time.monotonic() > deadline:
+                    done = sum(task_id in self._results for task_id in ids)
+                    raise TimeoutError(f"{done} of {len(ids)} rollouts within {timeout}s")
+                self._lock.wait(timeout=0.2)
+            return [self._results.pop(task_id) for task_id in ids]
+
     # --- stats ---
 
     def export_stats(self) -> dict[str, float]:
         merged = merge_worker_stats(self._call_all("export_stats"))
+        if self.role != "rollout":  # e.g. eval-rollout: its workers record under rollout/ too
+            merged = {_rescoped(k, self.role): v for k, v in merged.items()}
         stat = self.staleness.get_stats() if self.staleness else None
         if stat is not None:
             stats_tracker.get("rollout").scalar(
-                **{"rollout/running": stat.running, "rollout/accepted_total": stat.accepted}
+                **{
+                    f"{self.role}/running": stat.running,
+                    f"{self.role}/accepted_total": stat.accepted,
+                }
             )
         return merged
 
 
-def _scheduler_token(scheduler: Scheduler) -> str:
-    """The experiment token the workers hold (they present it on callbacks)."""
-    token = getattr(scheduler, "rpc_token", None)
-    if token is None:
-        token = os.environ.get(RPC_TOKEN_ENV, "")
-    token = token.reveal() if hasattr(token, "reveal") else str(token)
-    if not token:
-        raise RuntimeError(f"the scheduler has no RPC token and ${RPC_TOKEN_ENV} is empty")
-    return token
+def _rescoped(key: str, scope: str) -> str:
+    """``rollout/<name>`` as ``<scope>/<name>``; other keys unchanged."""
+    return f"{scope}/{key.removeprefix('rollout/')}" if key.startswith("rollout/") else key
 
 
 def _cycle(batches: Callable[[], Iterable[list[Any]]]) -> Iterator[list[Any]]:

@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from areal.api.cli_args import SchedulingSpec, SchedulingStrategy
-from areal.api.io_struct import FinetuneSpec, SaveLoadMeta, WeightUpdateMeta
+from areal.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.api.scheduler_api import Job, Scheduler, Worker
+from areal.engine.weight_sync import connect_weight_sync
 from areal.utils import logging
 from areal.utils.data import concat_padded_tensors
 
@@ -78,6 +79,7 @@ class TrainController:
         self.dp_heads: list[Worker] = []
         self._head_index: list[int] = []  # per DP rank: the index of its head worker
         self._dp_rank_of: list[int | None] = []  # per worker: its DP rank, None off-head
+        self.weight_plan: list[list[ParamSpec]] | None = None  # xccl buckets, in send order
 
     # --- lifecycle ---
 
@@ -264,11 +266,27 @@ class TrainController:
     def step_lr_scheduler(self) -> None:
         self._on_all("lr_scheduler_step")
 
-    def connect_engine(self, rollout: Any, meta: WeightUpdateMeta) -> None:
-        self._on_all("connect_engine", rollout.callback(), meta)
+    # --- weight sync: the trainer's half of the controller's handshake ---
 
-    def update_weights(self, meta: WeightUpdateMeta) -> None:
-        self._on_all("update_weights", meta)
+    def connect_engine(self, rollout: Any, meta: WeightUpdateMeta) -> None:
+        """Set up weight sync with a rollout controller (``xccl``: both sides join the
+        group now, and ``meta`` gets its address); see :mod:`areal.engine.weight_sync`."""
+        self.weight_plan = connect_weight_sync(self, rollout, meta)
+
+    def weight_group_address(self, meta: WeightUpdateMeta) -> WeightUpdateMeta:
+        """The group's address, port and backend, chosen by rank 0 (where it is hosted)."""
+        return self._call(self.workers[0], "weight_group_address", meta, rpc_meta=NO_BROADCAST)
+
+    def join_weight_group(self, meta: WeightUpdateMeta) -> None:
+        self._on_all("join_weight_group", meta, rpc_meta=NO_BROADCAST)
+
+    def weight_buckets(self, meta: WeightUpdateMeta) -> list[list[ParamSpec]]:
+        """Rank 0's bucket plan (producing it is a collective on every rank)."""
+        return self._on_all("weight_buckets", meta, rpc_meta=NO_BROADCAST)[0]
+
+    def send_weights(self, meta: WeightUpdateMeta) -> None:
+        """Every rank's half of one update (the rollout side receives meanwhile)."""
+        self._on_all("send_weights", meta, rpc_meta=NO_BROADCAST)
 
     def set_version(self, version: int) -> None:
         self._on_all("set_version", version)

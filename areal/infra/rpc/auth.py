@@ -1,6 +1,6 @@
 """Signed RPC messages: HMAC-SHA256 with the run's token, which itself never travels.
 
-The controller, its workers and the controller's callback server share one secret, the
+The controller and its workers share one secret, the
 run's RPC token (``$AREAL_RPC_TOKEN``). Nothing puts it on the wire: each request and
 each answer carries an HMAC-SHA256, keyed with the token's UTF-8 bytes, over what it
 says. A process that does not hold the token can neither forge a request nor pass for

@@ -10,6 +10,11 @@ mentions "timeout", with exponential backoff (each attempt signed afresh);
 ``max_retries`` is the total number of attempts. Before each attempt an optional
 ``liveness_check`` runs, so a dead worker surfaces as the scheduler's
 ``WorkerFailedError`` instead of a string of connection errors.
+
+No request carries a secret in clear (DESIGN 15): a :class:`~areal.utils.secrets.SecretStr`
+in a config or argument goes as the name of the worker environment variable that holds
+it (``secret_env``, exported by the scheduler; :mod:`areal.infra.rpc.secret_env`), and
+one the workers were not given is refused before anything is sent.
 """
 
 from __future__ import annotations
@@ -17,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import httpx
 
 from areal.api.scheduler_api import RPC_TOKEN_ENV
 from areal.infra.rpc.auth import RequestSigner, SignatureError
+from areal.infra.rpc.secret_env import secret_refs
 from areal.infra.rpc.serialization import (
     deserialize_value,
     json_dumps,
@@ -40,7 +46,7 @@ from areal.infra.scheduler.exceptions import (
     SchedulerError,
     WorkerConfigurationError,
 )
-from areal.utils.secrets import reveal
+from areal.utils.secrets import SecretStr, reveal
 
 __all__ = ["RPCClient"]
 
@@ -65,6 +71,18 @@ def _retryable(response: httpx.Response) -> bool:
     return response.status_code == 500 and "timeout" in _error_text(response).lower()
 
 
+def _plain_env(env: Mapping[str, str], path: str) -> Mapping[str, str]:
+    """``env`` unless it holds a secret, which must not travel in a request body."""
+    secret = sorted(k for k, v in env.items() if isinstance(v, SecretStr))
+    if secret:
+        raise WorkerConfigurationError(
+            f"{path}: {', '.join(secret)} hold secrets, which never travel in a request; "
+            "put them in the experiment config (the scheduler exports its secrets to every "
+            "worker's environment at start)"
+        )
+    return env
+
+
 class RPCClient:
     """Talks to the RPC server at ``address`` (``host:port``) of worker ``worker_id``."""
 
@@ -75,7 +93,9 @@ class RPCClient:
         token: str | None = None,
         worker_id: str | None = None,
         liveness_check: Callable[[], None] | None = None,
+        secret_env: Mapping[str, str] | None = None,
     ):
+        """``secret_env``: ``{variable name: secret}`` the worker has in its environment."""
         self.address = address
         self.worker_id = worker_id or address
         self.base_url = f"http://{address}"
@@ -87,6 +107,7 @@ class RPCClient:
             )
         self._auth = RequestSigner(token)
         self._liveness_check = liveness_check
+        self._secret_refs = secret_refs(secret_env or {})
         self._client = self._new_client(httpx.Client)
 
     def _new_client(self, cls: type) -> Any:
@@ -143,7 +164,7 @@ class RPCClient:
         """Start a child worker on this worker's host: ``{"status", "host", "pid"}``."""
         body: dict[str, Any] = {"role": role, "worker_index": worker_index, "raw_cmd": raw_cmd}
         if env:
-            body["env"] = env
+            body["env"] = _plain_env(env, "/fork")
         return self._control("/fork", body, SchedulerError)
 
     def kill_forked_worker(self, role: str, worker_index: int) -> dict[str, Any]:
@@ -151,18 +172,22 @@ class RPCClient:
         return self._control("/kill_forked_worker", body, SchedulerError)
 
     def set_env(self, env: dict[str, str]) -> None:
-        self._control("/set_env", {"env": env}, WorkerConfigurationError)
+        self._control("/set_env", {"env": _plain_env(env, "/set_env")}, WorkerConfigurationError)
 
     async def async_set_env(self, env: dict[str, str]) -> None:
-        await self._async_control("/set_env", {"env": env}, WorkerConfigurationError)
+        body = {"env": _plain_env(env, "/set_env")}
+        await self._async_control("/set_env", body, WorkerConfigurationError)
+
+    def _encode(self, value: Any) -> Any:
+        return serialize_value(value, secret_env=self._secret_refs)
 
     def configure(self, config: Any, role: str, rank: int) -> dict[str, Any]:
-        """``POST /configure``; secrets in ``config`` are sent redacted (DESIGN 15)."""
-        body = {"config": serialize_value(config, reveal_secrets=False), "role": role, "rank": rank}
+        """``POST /configure``; secrets in ``config`` go by reference (DESIGN 15)."""
+        body = {"config": self._encode(config), "role": role, "rank": rank}
         return self._control("/configure", body, WorkerConfigurationError)
 
     async def async_configure(self, config: Any, role: str, rank: int) -> dict[str, Any]:
-        body = {"config": serialize_value(config, reveal_secrets=False), "role": role, "rank": rank}
+        body = {"config": self._encode(config), "role": role, "rank": rank}
         return await self._async_control("/configure", body, WorkerConfigurationError)
 
     def _control(
@@ -214,14 +239,13 @@ class RPCClient:
 
     # --- engines ---
 
-    @staticmethod
-    def _create_body(engine: str, engine_name: str, args: tuple, kwargs: dict) -> bytes:
+    def _create_body(self, engine: str, engine_name: str, args: tuple, kwargs: dict) -> bytes:
         return json_dumps(
             {
                 "engine": engine,
                 "engine_name": engine_name,
-                "init_args": serialize_value(list(args)),
-                "init_kwargs": serialize_value(kwargs),
+                "init_args": self._encode(list(args)),
+                "init_kwargs": self._encode(kwargs),
             }
         )
 
@@ -279,8 +303,8 @@ class RPCClient:
             {
                 "method": method,
                 "engine_name": engine_name or self.worker_id,
-                "args": serialize_value(list(args)),
-                "kwargs": serialize_value(kwargs),
+                "args": self._encode(list(args)),
+                "kwargs": self._encode(kwargs),
                 "rpc_meta": rpc_meta,
             }
         )

@@ -1,7 +1,7 @@
 """Front door of the RPC servers: signature checks, then the request limits.
 
-:class:`SignedRequestGuard` wraps an ASGI app (a worker's RPC server, the controller's
-callback server). For each HTTP request it checks the signature headers of
+:class:`SignedRequestGuard` wraps an ASGI app (a worker's RPC server). For each HTTP
+request it checks the signature headers of
 :mod:`areal.infra.rpc.auth` *before reading any body byte* (401 when they fail), then
 reads the body under the limits of :mod:`areal.utils.http_limits` (413 for a body larger
 than ``max_body_bytes``, from ``Content-Length`` or while reading a chunked body; 408 for

@@ -11,7 +11,8 @@ object whose ``"__areal_type__"`` key names the kind:
 ``torch_dtype``  ``name`` (``"bfloat16"``)
 ``dataclass``  ``module``, ``qualname``, ``fields`` (encoded); rebuilt by calling the class
 ``enum``       ``module``, ``qualname``, ``name``
-``secret``     a :class:`SecretStr`: ``value`` (``null`` when redacted)
+``secret``     a :class:`SecretStr`: ``value`` (``null`` when redacted), or ``env``: the
+               variable that holds it on the worker (:mod:`~areal.infra.rpc.secret_env`)
 ``tuple``, ``set``, ``frozenset``  ``items``
 ``dict``       ``items`` as ``[key, value]`` pairs (non-string keys, or a key that
                collides with ``"__areal_type__"``)
@@ -41,10 +42,12 @@ import importlib
 import math
 import pathlib
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 import orjson
 
+from areal.infra.rpc.secret_env import read_secret
 from areal.utils.secrets import SecretStr
 
 __all__ = [
@@ -58,6 +61,8 @@ __all__ = [
 ]
 
 TYPE_KEY = "__areal_type__"
+# how secrets are encoded: in clear, redacted, or as {secret value: worker variable name}
+_Secrets = bool | Mapping[str, str]
 # JSON parsers (orjson among them) do not keep integers beyond 64 bits exact.
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
 # Top-level packages whose dataclasses and enums may be rebuilt on the receiving side.
@@ -71,15 +76,20 @@ class SerializationError(ValueError):
 # --- encoding ---
 
 
-def serialize_value(value: Any, *, reveal_secrets: bool = True) -> Any:
+def serialize_value(
+    value: Any, *, reveal_secrets: bool = True, secret_env: Mapping[str, str] | None = None
+) -> Any:
     """``value`` as a JSON-safe structure (see the module docstring).
 
-    With ``reveal_secrets=False`` every :class:`SecretStr` is sent as a redacted
-    envelope and arrives as an empty ``SecretStr`` (the receiver reads the real value
-    from its environment); use it for payloads such as ``/configure`` that must not
-    carry secrets.
+    With ``reveal_secrets=False`` every :class:`SecretStr` is sent redacted and arrives
+    empty. With ``secret_env`` (secret value -> name of the worker environment variable
+    holding it, see :func:`~areal.infra.rpc.secret_env.secret_refs`) none is sent in
+    clear either: each goes as that name and is rebuilt from the receiver's environment,
+    and a non-empty secret missing from the mapping raises :class:`SerializationError`
+    (it could not reach the receiver).
     """
-    return _encode(value, "value", reveal_secrets)
+    secrets: _Secrets = secret_env if secret_env is not None else reveal_secrets
+    return _encode(value, "value", secrets)
 
 
 def _envelope(kind: str, **fields: Any) -> dict[str, Any]:
@@ -90,11 +100,26 @@ def _b64(raw: bytes) -> str:
     return base64.b64encode(raw).decode("ascii")
 
 
-def _encode(value: Any, path: str, reveal: bool) -> Any:
+def _encode_secret(value: SecretStr, path: str, secrets: _Secrets) -> dict[str, Any]:
+    if secrets is True or not value:
+        return _envelope("secret", value=value.reveal())
+    if secrets is False:
+        return _envelope("secret", value=None)
+    name = secrets.get(value.reveal())
+    if name is None:
+        raise SerializationError(
+            f"cannot send the secret at {path}: workers receive secrets only through their "
+            "environment, and this one is not in the experiment config the scheduler "
+            "exported (set it in the config before the workers start)"
+        )
+    return _envelope("secret", value=None, env=name)
+
+
+def _encode(value: Any, path: str, reveal: _Secrets) -> Any:
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, SecretStr):
-        return _envelope("secret", value=value.reveal() if reveal else None)
+        return _encode_secret(value, path, reveal)
     if isinstance(value, enum.Enum):
         cls = type(value)
         _check_allowed(cls.__module__, cls.__qualname__, "enum", path)
@@ -135,7 +160,7 @@ def _encode(value: Any, path: str, reveal: bool) -> Any:
     )
 
 
-def _encode_dict(value: dict, path: str, reveal: bool) -> Any:
+def _encode_dict(value: dict, path: str, reveal: _Secrets) -> Any:
     if all(isinstance(k, str) for k in value) and TYPE_KEY not in value:
         return {str.__str__(k): _encode(v, f"{path}[{k!r}]", reveal) for k, v in value.items()}
     items = [
@@ -145,7 +170,7 @@ def _encode_dict(value: dict, path: str, reveal: bool) -> Any:
     return _envelope("dict", items=items)
 
 
-def _encode_dataclass(value: Any, path: str, reveal: bool) -> dict[str, Any]:
+def _encode_dataclass(value: Any, path: str, reveal: _Secrets) -> dict[str, Any]:
     cls = type(value)
     _check_allowed(cls.__module__, cls.__qualname__, "dataclass", path)
     fields = {
@@ -299,6 +324,16 @@ def _decode_float(data: dict[str, Any]) -> float:
     return float(value)
 
 
+def _decode_secret(data: dict[str, Any]) -> SecretStr:
+    name = data.get("env")
+    if name is None:
+        return SecretStr(data["value"] or "")
+    try:
+        return read_secret(str(name))
+    except KeyError as e:
+        raise SerializationError(f"secret not available: {e.args[0]}") from None
+
+
 def _decode_dict(data: dict[str, Any]) -> dict:
     return {_decode(k): _decode(v) for k, v in data["items"]}
 
@@ -310,7 +345,7 @@ _DECODERS = {
     "ndscalar": _decode_ndscalar,
     "dataclass": _decode_dataclass,
     "enum": _decode_enum,
-    "secret": lambda d: SecretStr(d["value"] or ""),
+    "secret": _decode_secret,
     "tuple": lambda d: tuple(_decode(v) for v in d["items"]),
     "set": lambda d: {_decode(v) for v in d["items"]},
     "frozenset": lambda d: frozenset(_decode(v) for v in d["items"]),

@@ -6,8 +6,8 @@ appended to ``{fileroot}/logs/{user}/{exp}/{trial}/{role}.log`` and ``merged.log
 its address discovered through name resolution (NFS records), exactly as on Slurm.
 
 The experiment's RPC token (``$AREAL_RPC_TOKEN`` if the controller has one, otherwise a
-fresh random one) reaches the workers only through their environment; it is never on a
-command line, in a config payload or in a log.
+fresh random one) and the config's secrets reach the workers only through their
+environment; they are never on a command line, in a request body or in a log.
 
 Teardown kills whole process trees: ``delete_workers``, the context manager, an
 ``atexit`` hook and SIGINT/SIGTERM handlers all end every worker and its descendants
@@ -26,8 +26,6 @@ from typing import Any
 
 from areal.api.cli_args import SchedulingSpec
 from areal.api.config.scheduling import RPC_SERVER_CMD
-from areal.api.scheduler_api import RPC_TOKEN_ENV
-from areal.inference.auth import API_KEY_ENV
 from areal.infra.rpc.processes import (
     LoggedProcess,
     kill_process_tree,
@@ -156,8 +154,7 @@ class LocalScheduler(RPCWorkerScheduler):
             env[str(key)] = _expand_vars(str(value), env)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        env[RPC_TOKEN_ENV] = self._token.reveal()
-        env[API_KEY_ENV] = self._inference_key.reveal()
+        env.update(self.worker_secrets())
         return env
 
     # --- GPUs ---

@@ -19,7 +19,10 @@ and behaves the same on every backend (§10.1):
 The experiment's RPC token (``$AREAL_RPC_TOKEN`` if the controller has one, otherwise a
 fresh random one) is held as a :class:`~areal.utils.secrets.SecretStr`; how it reaches
 the workers is the backend's business, but never through a command line, and it never
-travels in a request: requests and answers are signed with it instead.
+travels in a request: requests and answers are signed with it instead. The secrets of
+the experiment config (the proxy admin key...) take the same road
+(:meth:`RPCWorkerScheduler.worker_secrets`); requests name them, never carry them
+(:mod:`areal.infra.rpc.secret_env`).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Scheduler, Worker
 from areal.inference.auth import API_KEY_ENV
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.processes import LoggedProcess
+from areal.infra.rpc.secret_env import config_secrets
 from areal.infra.rpc.serialization import SerializationError
 from areal.infra.scheduler.exceptions import (
     RPCAuthenticationError,
@@ -151,6 +155,10 @@ class RPCWorkerScheduler(Scheduler):
             os.environ.get(API_KEY_ENV, "").strip() or secrets.token_urlsafe(32)
         )
         logging.register_secret(self._inference_key)
+        # every secret of the config, exported to each worker (DESIGN 15: never in a body)
+        self._config_secrets = config_secrets(exp_config)
+        for secret in self._config_secrets.values():
+            logging.register_secret(secret)
         self._roles: dict[str, WorkerRole] = {}
         self._handles: dict[str, WorkerHandle] = {}
         self._lock = threading.RLock()
@@ -215,6 +223,15 @@ class RPCWorkerScheduler(Scheduler):
     def inference_api_key(self) -> SecretStr:
         """The run's inference-server API key (``$AREAL_INFERENCE_API_KEY`` on workers)."""
         return self._inference_key
+
+    def worker_secrets(self) -> dict[str, str]:
+        """Variables every worker gets through a private channel: the RPC token, the
+        inference API key and the config's secrets (``AREAL_SECRET_*``)."""
+        return {
+            RPC_TOKEN_ENV: self._token.reveal(),
+            API_KEY_ENV: self._inference_key.reveal(),
+            **{name: secret.reveal() for name, secret in self._config_secrets.items()},
+        }
 
     @property
     def rpc_token(self) -> SecretStr:
@@ -362,7 +379,11 @@ class RPCWorkerScheduler(Scheduler):
 
     def _make_client(self, h: WorkerHandle, address: str) -> RPCClient:
         return RPCClient(
-            address, token=self._token, worker_id=h.id, liveness_check=lambda: self._check_alive(h)
+            address,
+            token=self._token,
+            worker_id=h.id,
+            liveness_check=lambda: self._check_alive(h),
+            secret_env=self._config_secrets,
         )
 
     def _finish_worker(self, h: WorkerHandle, extra_ports: int) -> Worker:

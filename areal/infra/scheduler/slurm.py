@@ -14,11 +14,12 @@ never start (``PartitionConfig``, ``BadConstraints``, or a request larger than e
 node of the partition) is cancelled with a message naming the job and the reason,
 instead of being waited on until the startup timeout.
 
-The RPC token reaches the workers only through their environment. The scheduler
-writes it to a mode-0600 file under the trial's log directory; the batch script sources
-that file and deletes it at job start. It is therefore never in a job script
-(``scontrol write batch_script``), in ``scontrol show job``, in any argv, nor in the
-environment ``sbatch`` stores with the job (the submit environment is stripped of it).
+The RPC token and the config's secrets reach the workers only through their
+environment. The scheduler writes them to a mode-0600 file under the trial's log
+directory; the batch script sources that file and deletes it at job start. They are
+therefore never in a job script (``scontrol write batch_script``), in ``scontrol show
+job``, in any argv, nor in the environment ``sbatch`` stores with the job (the submit
+environment is stripped of them).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from areal.api.config.scheduling import RPC_SERVER_CMD
 from areal.api.scheduler_api import RPC_TOKEN_ENV
 from areal.inference.auth import API_KEY_ENV
 from areal.infra.rpc.processes import read_log_tail
+from areal.infra.rpc.secret_env import SECRET_ENV_PREFIX
 from areal.infra.scheduler.exceptions import (
     SchedulerError,
     WorkerConfigurationError,
@@ -194,11 +196,7 @@ class SlurmScheduler(RPCWorkerScheduler):
             enable_offload=self.enable_offload,
             user=get_user(),
         )
-        secrets = {
-            RPC_TOKEN_ENV: self._token.reveal(),
-            API_KEY_ENV: self._inference_key.reveal(),
-            **split_env(env, spec.container_type)[2],
-        }
+        secrets = {**self.worker_secrets(), **split_env(env, spec.container_type)[2]}
         secrets_file = self._write_secrets(role, secrets)
         job = BatchJob(
             role=role,
@@ -429,7 +427,11 @@ class SlurmScheduler(RPCWorkerScheduler):
         by the workers from ``$ARENA_CREDENTIALS_FILE`` (``additional_bash_cmds``).
         """
         withheld = {RPC_TOKEN_ENV, API_KEY_ENV, PARENT_PID_ENV, *SECRET_ENV_VARS}
-        env = {k: v for k, v in os.environ.items() if k not in withheld}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if k not in withheld and not k.startswith(SECRET_ENV_PREFIX)
+        }
         try:
             result = subprocess.run(
                 list(args),

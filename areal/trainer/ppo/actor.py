@@ -1,7 +1,8 @@
 """``PPOActor``: GRPO/PPO on top of a :class:`TrainEngine`.
 
 * ``compute_logp(data)``: gradient-free log-probs of the current weights (``[B, L]``,
-  position ``t`` scoring token ``t + 1``), used as ``prox_logp`` by the decoupled loss.
+  position ``t`` scoring token ``t + 1``), used as ``prox_logp`` by the decoupled loss
+  and, on the frozen reference model, as ``ref_logp`` by the KL penalty.
 * ``compute_advantages(data, group_sizes)``: rewards to per-token advantages (§8.1).
 * ``ppo_update(data)``: ``ppo_n_minibatches`` optimizer steps, each a token mean of the
   clipped (decoupled) surrogate over the global minibatch.
@@ -28,6 +29,7 @@ __all__ = ["FSDPPPOActor", "MegatronPPOActor", "PPOActor"]
 
 DROPPED_BEFORE_UPDATE = ("rewards", "tot_rewards", "kl_rewards")
 UPDATE_SCOPE = "ppo_actor/update"
+OPTIMIZER_STATS = ("grad_norm", "lr", "update_successful", "num_micro_batches")
 
 
 def count_trainable(mb: dict[str, Any]) -> torch.Tensor:
@@ -65,12 +67,51 @@ class PPOActor:
             rows = torch.ones(mask.shape[0], dtype=torch.bool)
             task_reward = data.get("original_rewards", data["rewards"]).float()
             tracker.denominator(n_seqs=rows, n_valid_tokens=mask)
-            tracker.stat(denominator="n_valid_tokens", advantages=out["advantages"].float())
+            tracker.stat(
+                denominator="n_valid_tokens",
+                advantages=out["advantages"].float(),
+                kl_rewards=out["kl_rewards"].float(),
+            )
             tracker.stat(
                 denominator="n_seqs",
                 task_reward=task_reward.cpu(),
                 seq_len=data["attention_mask"].sum(1).float().cpu(),
             )
+            self._log_batch_outcomes(tracker, out, data, mask, task_reward)
+
+    def _log_batch_outcomes(self, tracker, out, data, mask, task_reward) -> None:
+        """The rest of §8.3's per-batch stats: solved vs unsolved rows, prompt lengths,
+        rows without EOS, the final per-token reward, and the loss settings."""
+        cfg = self.config
+        attention = data["attention_mask"].bool()
+        seq_len = attention.sum(1).float().cpu()
+        task_reward = task_reward.reshape(-1).cpu()
+        correct = task_reward > 0
+        tracker.denominator(
+            n_tokens=attention, correct_n_seqs=correct.clone(), incorrect_n_seqs=~correct
+        )
+        tracker.stat(denominator="n_valid_tokens", final_reward=out["tot_rewards"].float())
+        generated = data["loss_mask"].bool() & attention
+        # like actor.mask_no_eos_with_zero: a row that fills the padded width had no EOS
+        no_eos = (attention.sum(1) == attention.shape[1]).float().cpu()
+        tracker.stat(
+            denominator="n_seqs",
+            prompt_len=(attention.sum(1) - generated.sum(1)).float().cpu(),
+            no_eos_ratios=no_eos,
+        )
+        tracker.stat(denominator="correct_n_seqs", correct_seq_len=seq_len)
+        tracker.stat(denominator="incorrect_n_seqs", incorrect_seq_len=seq_len)
+        settings = {
+            "eps_clip": cfg.eps_clip,
+            "use_dual_clip": float(cfg.c_clip is not None),
+            "mask_no_eos_with_zero": float(cfg.mask_no_eos_with_zero),
+        }
+        rejection = cfg.rejection_sampling
+        if rejection is not None:  # the same config on every rank: the same keys
+            settings["rs_upper"] = rejection.upper
+            if rejection.lower is not None:
+                settings["rs_lower"] = rejection.lower
+        tracker.scalar(**{k: float(v) for k, v in settings.items()})
 
     # --- the update ---
 
@@ -79,7 +120,14 @@ class PPOActor:
         self.engine.train()
         group = getattr(self.engine, "cpu_group", None)
         parts = split_into_minibatches(data, self.config.ppo_n_minibatches, group=group)
-        return [self.engine.train_batch(part, self.loss, count_trainable) for part in parts]
+        results = [self.engine.train_batch(part, self.loss, count_trainable) for part in parts]
+        tracker = stats_tracker.get()
+        with tracker.scope(UPDATE_SCOPE):
+            for result in results:  # every key on every rank (the export all-reduces them)
+                tracker.scalar(
+                    **{k: float(result.get(k, 0.0)) for k in OPTIMIZER_STATS},
+                )
+        return results
 
     def _prox_logp(self, logprobs: torch.Tensor, mb: dict[str, Any]) -> torch.Tensor:
         if not self.config.use_decoupled_loss:
@@ -133,6 +181,37 @@ class PPOActor:
             per_token["entropy"] = entropy.detach().float()
             tracker.stat(denominator="n_valid_tokens_in_loss", **per_token)
             tracker.scalar(actor_loss=float(loss.detach()))
+            self._log_update_details(tracker, stats, logprobs, mb)
+
+    def _log_update_details(self, tracker, stats, logprobs, mb) -> None:
+        """The rest of §8.3's ``update/`` stats: log-prob differences, clipped tokens,
+        what rejection sampling removed, and how stale the trained tokens are."""
+        mask, kept = stats["loss_mask"].bool(), stats["kept_mask"].bool()
+        new_logp = torch.where(mask, logprobs.detach().float(), 0.0)
+        old_logp = stats["old_logp"].float()
+        diff = torch.where(mask, old_logp - new_logp, 0.0)
+        tracker.stat(
+            denominator="n_valid_tokens_in_loss",
+            old_logp=old_logp,
+            logp_diff=diff,
+            logp_abs_diff=diff.abs(),
+        )
+        clipped = stats["clip_ratio"].bool() & kept
+        tracker.denominator(n_total_tokens=mask, n_masked_tokens=mask & ~kept, n_clipped=clipped)
+        tracker.stat(denominator="n_clipped", clipped_new_logp=new_logp, clipped_old_logp=old_logp)
+        total = max(int(mask.sum()), 1)
+        masked = float((mask & ~kept).sum()) / total
+        # rejection sampling is this port's only behaviour-weight filter: both name it
+        tracker.scalar(
+            masked_token_ratio=masked, behave_filtered_ratio=masked, rs_filtered_fraction=masked
+        )
+        versions = mb.get("versions")
+        if versions is not None:  # position t scores token t + 1: that token's version
+            token_version = torch.roll(versions, -1, dims=-1).to(mask.device).reshape(mask.shape)
+            versioned = kept & (token_version >= 0)
+            staleness = (self.engine.get_version() - token_version).float()
+            tracker.denominator(n_versioned_tokens=versioned)
+            tracker.stat(denominator="n_versioned_tokens", version_staleness=staleness)
 
 
 class _PPOActorMethods:

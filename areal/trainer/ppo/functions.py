@@ -273,6 +273,12 @@ def compute_advantages(
         turn_ids[:, -1] = -1
     old_logp, prox_logp = _aligned_logprobs(batch, cfg, m)
     ref_logp = batch.get("ref_logp")
+    if ref_logp is None and cfg.kl_ctl > 0:
+        # scoring against 0 would turn the penalty -kl_ctl x logp into a per-token bonus
+        raise ValueError(
+            f"actor.kl_ctl is {cfg.kl_ctl} but the batch has no 'ref_logp' (reference "
+            "log-probs); compute them with the ref model first, or set actor.kl_ctl: 0"
+        )
     ref_logp = torch.zeros_like(old_logp) if ref_logp is None else ref_logp * m
 
     # --- per-position rewards: KL penalty and the outcome at the last scored token ---

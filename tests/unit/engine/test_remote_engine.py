@@ -141,14 +141,13 @@ async def test_pause_mid_generation_resumes_with_two_versions(engine, reference)
             "generated_tokens", 0
         ) < 40:
             await asyncio.sleep(0.005)
-    # The weight-update protocol: hold rollouts, abort in-flight requests, bump the
-    # version, let servers and rollouts continue.
+    # The weight-update barrier: begin holds rollouts and aborts in-flight requests; end
+    # bumps the version (here, the servers' and the proxies') and lets everything go on.
     loop = asyncio.get_running_loop()
-    engine.pause()
-    await loop.run_in_executor(None, engine.pause_generation)
-    engine.set_version(1)
-    await loop.run_in_executor(None, engine.continue_generation)
-    engine.resume()
+    await loop.run_in_executor(None, engine.begin_weight_update, 1)
+    await asyncio.sleep(0.3)
+    assert not task.done()  # the aborted request waits at the barrier, output kept
+    await loop.run_in_executor(None, engine.end_weight_update, 1)
     response = await task
     assert len(response.output_tokens) == 400 and response.stop_reason == "length"
     assert set(response.output_versions) == {0, 1}
@@ -157,15 +156,43 @@ async def test_pause_mid_generation_resumes_with_two_versions(engine, reference)
     assert response.output_tokens == greedy_reference(reference, prompt, 400)
 
 
-async def test_paused_executor_holds_generation(engine):
-    engine.pause()
+async def test_a_proxys_engine_follows_the_workers_barrier(engine, server):
+    """A rollout proxy's engine reads pause and version from its worker's barrier file."""
+    loop = asyncio.get_running_loop()
+    follower = RemoteSGLangEngine(InferenceEngineConfig(backend="hf:d1", setup_timeout=30))
+    follower.attach_barrier(engine.barrier.path)
+    await loop.run_in_executor(None, lambda: follower.initialize(addr=server))
+    try:
+        version = engine.get_version() + 1
+        await loop.run_in_executor(None, engine.begin_weight_update, version)
+        assert follower.barrier.closed and follower.workflow_executor.is_paused
+        task = asyncio.create_task(
+            follower.agenerate(ModelRequest(input_ids=[5, 6, 7], gconfig=greedy(3)))
+        )
+        await asyncio.sleep(0.5)
+        assert not task.done()  # held, like the worker's own rollouts
+        await loop.run_in_executor(None, engine.end_weight_update, version)
+        response = await task
+        assert follower.get_version() == version
+        assert response.output_versions == [version] * 3
+    finally:
+        follower.destroy()
+    assert engine.get_version() == version  # the follower never writes the worker's state
+
+
+async def test_a_closed_barrier_holds_generation(engine):
+    loop = asyncio.get_running_loop()
+    version = engine.get_version()
+    await loop.run_in_executor(None, engine.begin_weight_update, version + 1)
     task = asyncio.create_task(
         engine.agenerate(ModelRequest(input_ids=[5, 6, 7], gconfig=greedy(4)))
     )
     await asyncio.sleep(0.7)
     assert not task.done()
-    engine.resume()
-    assert len((await task).output_tokens) == 4
+    await loop.run_in_executor(None, engine.end_weight_update, version + 1)
+    response = await task
+    assert len(response.output_tokens) == 4
+    assert response.output_versions == [version + 1] * 4  # tagged with the new version
 
 
 async def test_update_weights_from_disk_changes_greedy_output(engine, tiny_model_dir_b):

@@ -29,6 +29,7 @@ def two_servers():
             "/init_weights_update_group",
             "/update_weights_from_distributed",
             "/update_weights_from_disk",
+            "/update_weight_version",
         ):
             peer.on("POST", path, reply(200, {"success": True}))
     with serve(ScriptedASGI(peers[0])) as a, serve(ScriptedASGI(peers[1])) as b:
@@ -211,10 +212,11 @@ def test_collective_calls_are_single_attempt(two_servers):
     assert len(peers[1].calls("POST", "/init_weights_update_group")) == 1
 
 
-def test_pause_continue_abort_memory_and_disk(two_servers):
+def test_barrier_abort_memory_and_disk(two_servers):
     engine, peers = two_servers
-    engine.pause_generation()
-    engine.continue_generation()
+    engine.begin_weight_update(3)
+    engine.begin_weight_update(3)  # closing a closed barrier sends nothing
+    engine.end_weight_update(3)
     engine.abort_all()
     engine.offload(["weights", "kv_cache"])
     engine.onload()
@@ -222,6 +224,9 @@ def test_pause_continue_abort_memory_and_disk(two_servers):
     for peer in peers:
         assert bodies(peer, "/pause_generation") == [{}, {"mode": "in_place"}]
         assert bodies(peer, "/continue_generation") == [{}]
+        assert bodies(peer, "/update_weight_version") == [
+            {"new_version": "3", "abort_all_requests": False}
+        ]
         assert bodies(peer, "/abort_request") == [{"abort_all": True}]
         assert bodies(peer, "/release_memory_occupation") == [{"tags": ["weights", "kv_cache"]}]
         assert bodies(peer, "/resume_memory_occupation") == [{}]
@@ -234,7 +239,7 @@ def test_fan_out_retries_then_fails(two_servers):
     engine, peers = two_servers
     peers[0].routes[("POST", "/continue_generation")].clear()
     peers[0].on("POST", "/continue_generation", reply(503), reply(200, {}))
-    engine.continue_generation()  # the second attempt succeeds
+    engine._continue_servers()  # the second attempt succeeds
     assert len(peers[0].calls("POST", "/continue_generation")) == 2
     peers[0].routes[("POST", "/abort_request")].clear()
     peers[0].on("POST", "/abort_request", reply(500))

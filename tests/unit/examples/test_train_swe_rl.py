@@ -629,3 +629,54 @@ def test_main_hands_the_trainer_the_local_arena_mixture(
     assert token not in areal_logs.text
     for saved in fileroot.rglob("config.yaml"):
         assert token not in saved.read_text()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "valid", "expected"),
+    [
+        ({}, [{"id": 0}], False),  # no evaluator frequency: no eval workers start
+        ({"freq_steps": 10}, [{"id": 0}], True),
+        ({"eval_before_train": True}, [{"id": 0}], True),
+        ({"freq_steps": 10}, None, False),  # nothing to evaluate
+        ({"freq_steps": 10}, [], False),
+    ],
+)
+def test_evaluation_runs_only_when_scheduled_with_valid_rows(schedule, valid, expected):
+    evaluator = {"freq_epochs": None, "freq_steps": None, "freq_secs": None}
+    evaluator.update({"eval_before_train": False, **schedule})
+    config = SimpleNamespace(evaluator=SimpleNamespace(**evaluator))
+    inputs = SimpleNamespace(valid_dataset=valid)
+    assert train_swe_rl.evaluation_scheduled(config, inputs) is expected
+
+
+# --- held-out evaluation Streams ---
+
+
+def test_held_out_streams_are_the_validation_rows(arena_config):
+    arena = astra_tbench_arena().add("stream-h", 4, harness="default-harness")
+    econfig = arena_config.econfig
+    econfig.arena_streams = astra_tbench_streams()
+    econfig.arena_eval_streams = [ArenaStreamConfig(name="held", stream_id="stream-h")]
+
+    inputs = build_training_inputs(arena_config, arena_client=arena.client())
+
+    assert len(inputs.train_dataset) == 12  # training rows only
+    assert {r["arena_stream_name"] for r in inputs.train_dataset} == {"astra", "tbench"}
+    assert [r["data_id"] for r in inputs.valid_dataset] == [f"stream-h-{i}" for i in range(4)]
+    assert set(inputs.valid_dataset["arena_stream_name"]) == {"held"}
+    # the workers can launch tasks of both: the held-out Stream is pinned beside the others
+    pinned = inputs.workflow_kwargs["econfig"]["arena_streams"]
+    assert [s["name"] for s in pinned] == ["astra", "tbench", "held"]
+    assert inputs.eval_workflow_kwargs["gen_args"]["temperature"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "held", [{"name": "astra", "stream_id": "stream-h"}, {"name": "h", "stream_id": "stream-b"}]
+)
+def test_a_held_out_stream_must_not_be_trained_on(arena_config, held):
+    arena = astra_tbench_arena().add("stream-h", 4, harness="default-harness")
+    econfig = arena_config.econfig
+    econfig.arena_streams = astra_tbench_streams()
+    econfig.arena_eval_streams = [ArenaStreamConfig(**held)]
+    with pytest.raises(ValueError, match=r"arena_eval_streams.*also a training Stream"):
+        build_training_inputs(arena_config, arena_client=arena.client())

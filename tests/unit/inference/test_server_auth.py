@@ -186,7 +186,7 @@ def test_every_client_call_carries_the_key(peer):
     try:
         engine.initialize(addr=address)
         assert len(generate(engine, 3).output_tokens) == 3  # through the HTTP pool
-        engine.pause_generation()  # fan-out
+        engine.begin_weight_update(1)  # fan-out
         meta = WeightUpdateMeta(type="xccl", nccl_master_address="10.0.0.7", nccl_master_port=1)
         engine.init_weights_update_group(meta).result()  # one attempt per server
     finally:

@@ -76,17 +76,11 @@ class _TrivialInference(InferenceEngine):
     def prepare_batch(self, dataloader, workflow, workflow_kwargs=None, **kwargs):
         return []
 
-    def pause(self) -> None:
+    def begin_weight_update(self, version: int) -> None:
         pass
 
-    def resume(self) -> None:
-        pass
-
-    def pause_generation(self) -> None:
-        pass
-
-    def continue_generation(self) -> None:
-        pass
+    def end_weight_update(self, version: int) -> None:
+        self._version = version
 
     def offload(self, tags=None) -> None:
         pass

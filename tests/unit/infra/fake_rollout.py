@@ -9,14 +9,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import httpx
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from areal.api.scheduler_api import Job, Worker
-from areal.infra.rpc.auth import RequestSigner
 from areal.utils.serving import serve_in_thread
 
 __all__ = ["FakeRolloutScheduler", "FakeServer"]
@@ -53,9 +51,9 @@ class FakeServer:
 class FakeRolloutScheduler:
     """One rollout worker whose server is ``server_addr`` and whose RPC server is
     ``worker_addr``. A submitted task finishes after ``task_seconds`` with
-    ``outcome(data)`` (``None`` = rejected) and reports to the controller's callback
-    server, as a real worker does. While ``hold_updates`` is true, weight-update calls
-    wait until ``released`` is set (a frozen server)."""
+    ``outcome(data)`` (``None`` = rejected); the controller long-polls it
+    (``collect_finished``), as a real worker. While ``hold_updates`` is true, weight-update
+    calls wait until ``released`` is set (a frozen server)."""
 
     rpc_token = "fake-token-123456"
 
@@ -96,17 +94,11 @@ class FakeRolloutScheduler:
             task_id = kwargs["task_id"]
             with self.lock:
                 self.submitted.append((task_id, time.monotonic()))
-            threading.Thread(
-                target=self._run_task, args=(task_id, args[0], kwargs["callback_addr"]), daemon=True
-            ).start()
+            threading.Thread(target=self._run_task, args=(task_id, args[0]), daemon=True).start()
             return task_id
-        if method == "poll_task":
-            (task_id,) = args
-            with self.lock:
-                if task_id not in self.results:
-                    return False, None
-                return True, self.results.pop(task_id)
-        if method in ("update_weights_from_disk", "pause_generation"):
+        if method == "collect_finished":
+            return self._collect(*args, **kwargs)
+        if method in ("update_weights_from_disk", "begin_weight_update"):
             if self.hold_updates:
                 self.released.wait()
             return None
@@ -114,15 +106,18 @@ class FakeRolloutScheduler:
             return {}
         return None
 
-    def _run_task(self, task_id: int, data: Any, callback_addr: str) -> None:
+    def _run_task(self, task_id: int, data: Any) -> None:
         time.sleep(self.task_seconds)
         with self.lock:
             self.results[task_id] = self.outcome(data)
-        with contextlib.suppress(httpx.HTTPError):
-            response = httpx.post(
-                callback_addr,
-                json={"task_id": task_id},
-                auth=RequestSigner(self.rpc_token),  # signed with the run's token, as workers do
-                timeout=10,
-            )
-            response.raise_for_status()
+
+    def _collect(self, ack: list[int], timeout: float = 1.0) -> list[tuple[int, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.lock:
+                for task_id in ack:
+                    self.results.pop(task_id, None)
+                ack = []
+                if self.results or time.monotonic() >= deadline:
+                    return list(self.results.items())
+            time.sleep(0.01)

@@ -52,14 +52,21 @@ class FakeScheduler:
                 self.submitted.append(kwargs["task_id"])
                 self.started[kwargs["task_id"]] = time.monotonic()
             return kwargs["task_id"]
-        if method == "poll_task":
-            (task_id,) = args
-            with self.lock:
-                began = self.started.get(task_id)
-                if began is None or time.monotonic() - began < self.task_seconds:
-                    return False, None
-                del self.started[task_id]
-            return True, (None if self.reject_all else {"task": task_id})
+        if method == "collect_finished":
+            (ack,) = args
+            deadline = time.monotonic() + kwargs.get("timeout", 1.0)
+            while True:
+                with self.lock:
+                    for task_id in ack:
+                        self.started.pop(task_id, None)
+                    ack = []
+                    now = time.monotonic()
+                    done = [
+                        t for t, began in self.started.items() if now - began >= self.task_seconds
+                    ]
+                    if done or now >= deadline:
+                        return [(t, None if self.reject_all else {"task": t}) for t in done]
+                time.sleep(0.01)
         if method == "export_stats":
             return {}
         return None
@@ -82,9 +89,8 @@ def _controller(scheduler: FakeScheduler, **overrides: Any) -> RolloutController
 
 
 def test_a_task_still_running_when_polled_is_not_rejected(monkeypatch):
-    # no completion reports reach the fake: every fetch comes from the straggler poll,
-    # which first finds the tasks still running
-    monkeypatch.setattr(rollout_controller, "RESCUE_AFTER", 0.2)
+    # short long-polls: the fetcher asks many times while the tasks still run
+    monkeypatch.setattr(rollout_controller, "COLLECT_TIMEOUT", 0.1)
     scheduler = FakeScheduler(task_seconds=1.5)
     controller = _controller(scheduler)
     try:
@@ -113,7 +119,7 @@ def test_a_worker_that_cannot_take_tasks_stops_the_dispatch():
 def test_a_storm_of_rejections_fails_the_run_instead_of_launching_forever(monkeypatch):
     # healthy-looking servers that fail every generation (or an Arena failing every
     # task) reject each rollout: after the limit nothing more is launched
-    monkeypatch.setattr(rollout_controller, "RESCUE_AFTER", 0.05)  # the fake never reports
+    monkeypatch.setattr(rollout_controller, "COLLECT_TIMEOUT", 0.05)
     scheduler = FakeScheduler(reject_all=True)
     controller = _controller(scheduler, max_consecutive_rejections=6, max_concurrent_rollouts=1)
     try:

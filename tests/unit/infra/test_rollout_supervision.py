@@ -12,7 +12,6 @@ import pytest
 from areal.api.cli_args import GRPOConfig, InferenceEngineConfig, SchedulingSpec, load_expr_config
 from areal.api.config.fields import FieldError
 from areal.api.io_struct import WeightUpdateMeta
-from areal.api.scheduler_api import RPC_TOKEN_ENV
 from areal.infra.controller.health import HealthSupervisor, HealthTarget, RolloutHealthError
 from areal.infra.controller.rollout_controller import RolloutController
 from tests.unit.infra.fake_rollout import FakeRolloutScheduler, FakeServer
@@ -189,21 +188,17 @@ def test_a_gone_rollout_worker_fails_the_run_naming_it(server):
     assert f"rollout worker rollout/0 at {worker_rpc.address}" in str(outcome["error"])
 
 
-def test_a_weight_update_towards_a_frozen_server_fails_instead_of_hanging(server, monkeypatch):
+def test_a_weight_update_towards_a_frozen_server_fails_instead_of_hanging(server):
     worker_rpc = FakeServer()
     scheduler = FakeRolloutScheduler(server.address, worker_rpc.address)
     scheduler.hold_updates = True  # the update call never returns, like a frozen server
-    monkeypatch.setenv(RPC_TOKEN_ENV, scheduler.rpc_token)  # as on a train rank
     controller = _controller(scheduler)
     try:
         server.delay["/get_model_info"] = 5 * TIMEOUT  # frozen: probed on the quiet path
         began = time.monotonic()
-        # what a train rank does: the controller's callback forwards to the rollout worker
-        update = controller.callback().update_weights_from_disk(
-            WeightUpdateMeta(type="disk", path=None, version=1)
-        )
+        # the rollout side's half of the controller's weight-sync handshake
         with pytest.raises(RuntimeError, match=f"inference server {server.address}"):
-            update.result(timeout=10)
+            controller.receive_weights(WeightUpdateMeta(type="disk", path=None, version=1))
         assert time.monotonic() - began < 4.0
     finally:
         scheduler.released.set()
@@ -253,8 +248,8 @@ def test_an_error_caused_by_a_dead_server_is_reported_as_that_server(server):
         server.kill()
         expected = f"inference server {server.address}"
         with pytest.raises(RolloutHealthError, match=expected) as info, trainer._failures_named():
-            raise RuntimeError("callback pause_generation: HTTP 500")  # what the step saw
-        assert "pause_generation" in str(info.value.__cause__)
+            raise RuntimeError("begin_weight_update: HTTP 500")  # what the step saw
+        assert "begin_weight_update" in str(info.value.__cause__)
         with pytest.raises(RolloutHealthError):  # and the dispatch is stopped as well
             controller.check_health()
     finally:

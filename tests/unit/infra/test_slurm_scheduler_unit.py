@@ -473,3 +473,16 @@ def test_missing_slurm_clients_are_named(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(SchedulerError, match="missing: sbatch, squeue, scancel"):
         SlurmScheduler(make_config(tmp_path))
+
+
+def test_config_secrets_reach_workers_through_the_secrets_file_only(fake_slurm, tmp_path):
+    config = make_config(tmp_path)
+    config.stats_logger.wandb.wandb_api_key = SecretStr("wandb-sentinel-42")
+    sched = SlurmScheduler(config)
+    sched.create_workers(Job("actor", 1, [SchedulingSpec(cpu=1, mem=1, container_type="none")]))
+    secrets_text = (sched.log_dir / ".secrets" / "actor.env").read_text()
+    assert "AREAL_SECRET_STATS_LOGGER_WANDB_WANDB_API_KEY" in secrets_text
+    assert "wandb-sentinel-42" in secrets_text
+    assert "wandb-sentinel-42" not in (sched.log_dir / "actor.sh").read_text()
+    assert "wandb-sentinel-42" not in (fake_slurm / "sbatch.log").read_text()
+    sched.delete_workers()

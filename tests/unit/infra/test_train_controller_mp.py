@@ -225,13 +225,13 @@ def test_a_failing_rank_fails_the_call_without_waiting_for_the_others():
     class Scheduler:
         def call_engine(self, worker_id, method, *args, **kwargs):
             if worker_id == "actor/0":
-                raise RuntimeError("rank 0 failed in update_weights")
+                raise RuntimeError("rank 0 failed in send_weights")
             release.wait(60)  # a peer stuck in the collective rank 0 never joins
 
     controller = TrainController("engine", None, Scheduler())
     controller.workers = [Worker(f"actor/{i}", "127.0.0.1", ["1"], []) for i in range(2)]
     begin = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 0 failed"):
-        controller.update_weights(None)
+        controller.send_weights(None)
     assert time.monotonic() - begin < 5
     release.set()

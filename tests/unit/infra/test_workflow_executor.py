@@ -15,8 +15,6 @@ from areal.api.workflow_api import RolloutWorkflow
 from areal.infra import workflow_context
 from areal.infra.grouped_workflow import GroupedRolloutWorkflow, resolve_workflow
 from areal.infra.workflow_executor import WorkflowExecutor
-from tests.fakes.live_server import ScriptedASGI, serve
-from tests.fakes.scripted_http import ScriptedHTTP, reply
 
 
 class FakeEngine:
@@ -162,24 +160,24 @@ def test_should_accept_fn(executor):
     assert executor.wait_for_task(task, timeout=10) is not None
 
 
-def test_pause_holds_new_tasks(executor):
-    executor.pause()
+def test_a_closed_barrier_holds_new_tasks(executor):
+    executor.barrier.begin()
     task = executor.submit(1, VersionRecorder())
     with pytest.raises(TimeoutError):
         executor.wait_for_task(task, timeout=0.3)
-    executor.resume()
+    executor.barrier.end(0)
+    executor.notify()
     assert executor.wait_for_task(task, timeout=10) is not None
 
 
-def test_completion_callback_is_posted(executor):
-    peer = ScriptedHTTP().on("POST", "/callback", reply(200, {}))
-    with serve(ScriptedASGI(peer)) as url:
-        task = executor.submit(1, VersionRecorder(), callback_addr=f"{url}/callback")
-        executor.wait_for_task(task, timeout=10)
-        deadline = time.monotonic() + 5
-        while not peer.calls("POST", "/callback") and time.monotonic() < deadline:
-            time.sleep(0.02)
-    assert peer.calls("POST", "/callback")[0].json() == {"task_id": task}
+def test_finished_tasks_are_delivered_until_acknowledged(executor):
+    assert executor.collect_finished(timeout=0.1) == []  # nothing finished: waits, then []
+    task = executor.submit(1, VersionRecorder())
+    first = executor.collect_finished(timeout=10)
+    assert [task_id for task_id, _ in first] == [task] and int(first[0][1]["row"]) == 1
+    # the answer may have been lost on its way: it comes again until acknowledged
+    assert [task_id for task_id, _ in executor.collect_finished(timeout=0.1)] == [task]
+    assert executor.collect_finished(ack=[task], timeout=0.1) == []
 
 
 def test_eval_tasks_see_their_context(executor):

@@ -38,7 +38,6 @@ class ScriptedEngine:
         self.requests: list[ModelRequest] = []
         self.responses: list[ModelResponse] = []
         self.version = 0
-        self.paused = False
 
     def _text(self, req: ModelRequest) -> str:
         if callable(self.replies):
@@ -69,12 +68,6 @@ class ScriptedEngine:
 
     def get_version(self) -> int:
         return self.version
-
-    def pause(self) -> None:
-        self.paused = True
-
-    def resume(self) -> None:
-        self.paused = False
 
 
 class RecordingEngine:

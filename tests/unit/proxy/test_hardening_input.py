@@ -170,8 +170,6 @@ ADMIN_MALFORMED = {
     "export-style-number": ("/export_trajectories", {"style": 5}),
     "export-orphans-string": ("/export_trajectories", {"drop_retry_orphans": "yes"}),
     "export-last-reward-string": ("/export_trajectories", {"last_reward": "zero"}),
-    "version-missing": ("/rl/set_version", {}),
-    "version-string": ("/rl/set_version", {"version": "one"}),
 }
 
 

@@ -78,16 +78,16 @@ def test_rows_drawn_ahead_by_the_rollout_are_trained_after_resume_exactly_once()
         for step in steps:
             batch = controller.prepare_batch(loader, workflow="w", batch_size=4)
             trained.extend(t["row"] for t in batch)
-            controller.pause()  # as the trainer, around the weight update and checkpoint
-            controller.set_version(step + 1)
-            controller.resume()
+            # as the trainer: one barrier around the weight update and checkpoint
+            controller.begin_weight_update(step + 1)
+            controller.end_weight_update(step + 1)
 
     try:
         controller, loader = controller_for(None, 0)
         try:
             train_steps(controller, loader, range(2))
             time.sleep(0.3)  # the rollout runs ahead of training
-            controller.pause()
+            controller.begin_weight_update(2)
             state = _checkpoint(loader)  # the recover point after step 1
         finally:
             controller.destroy()  # the controller is killed here

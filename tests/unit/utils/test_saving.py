@@ -83,14 +83,11 @@ class FakeInferenceEngine:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def pause(self) -> None:
-        self.calls.append(("pause",))
+    def begin_weight_update(self, version: int) -> None:
+        self.calls.append(("begin_weight_update", version))
 
-    def resume(self) -> None:
-        self.calls.append(("resume",))
-
-    def set_version(self, version: int) -> None:
-        self.calls.append(("set_version", version))
+    def end_weight_update(self, version: int) -> None:
+        self.calls.append(("end_weight_update", version))
 
 
 # --- FrequencyControl ---
@@ -373,7 +370,7 @@ def test_recover_pushes_weights_to_inference_engine(tmp_path):
         weight_update_meta=meta,
     )
     assert info.last_step_info.global_step == 6
-    assert rollout.calls == [("pause",), ("resume",), ("set_version", 7)]
+    assert rollout.calls == [("begin_weight_update", 7), ("end_weight_update", 7)]
     assert [(m.version, m.path) for m in engine.updates] == [
         (7, str(tmp_path / "weight_update_v7"))
     ]

@@ -1,0 +1,1 @@
+"""The reference's ``areal.experimental`` import paths, kept for code written against them."""

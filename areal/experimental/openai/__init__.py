@@ -1,0 +1,2 @@
+"""``areal.experimental.openai``: the reference's home of the rollout proxy (here
+:mod:`areal.proxy`)."""

@@ -1,0 +1,1 @@
+"""``areal.experimental.openai.proxy``: the reference's path of :mod:`areal.proxy`."""
