@@ -47,12 +47,15 @@ test-sglang: $(STAMP)
 	$(PY) -m pytest -m sglang tests/conformance $(PYTEST_ARGS)
 
 DEMO_ROOT ?= $(CURDIR)/.cache/demo
+# Training steps of `make demo` (empty: the demo's default, 10); e.g. make demo DEMO_STEPS=40
+DEMO_STEPS ?=
 
 # Arena GRPO on the embedded default: a local Arena, the local scheduler, the embedded
-# inference server and an FSDP actor on CPU, with SmolLM2-135M-Instruct; then a summary.
+# inference server and an FSDP actor on CPU, with SmolLM2-135M-Instruct; a held-out score
+# before and after training, then a summary and curves.
 demo: $(STAMP)
 	rm -rf $(DEMO_ROOT)
-	$(PY) -m examples.swe.demo --root $(DEMO_ROOT)
+	$(PY) -m examples.swe.demo --root $(DEMO_ROOT) $(if $(DEMO_STEPS),--steps $(DEMO_STEPS))
 
 agent-clis:
 	@if [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/claude ] && [ -x $(AGENT_CLIS_DIR)/node_modules/.bin/codex ]; then \

@@ -288,8 +288,10 @@ class ProgressDisplay:
     each ``update`` writes one plain log line. The reward is the first of
     ``reward_keys`` present in the step's stats; throughput is generated tokens per
     second when ``token_key`` is present, else samples per minute from ``sample_key``.
-    The ETA extrapolates the mean step time since the display started. ``start_step`` is
-    the number of steps a resumed run had already completed.
+    A step lasts what the trainer measured (``step_key``) when it is in the stats, else
+    the time since the previous update (which would count an evaluation before training
+    into the first step). The ETA extrapolates the mean step time. ``start_step`` is the
+    number of steps a resumed run had already completed.
     """
 
     def __init__(
@@ -306,14 +308,17 @@ class ProgressDisplay:
         ),
         token_key: str = "ppo_actor/n_valid_tokens",
         sample_key: str = "ppo_actor/n_seqs",
+        step_key: str = "perf/step_seconds",
     ):
         self.total_steps = total_steps
         self.start_step = start_step
         self.reward_keys = reward_keys
         self.token_key = token_key
         self.sample_key = sample_key
+        self.step_key = step_key
         self._clock = clock
-        self._start = self._last = clock()
+        self._last = clock()
+        self._elapsed = 0.0  # seconds of the steps run so far
         self._console = console if console is not None else Console()
         self._progress: Progress | None = None
         if self._console.is_terminal:
@@ -333,6 +338,10 @@ class ProgressDisplay:
         """Record that ``completed`` steps are done (``global_step + 1``); returns the line."""
         now = self._clock()
         step_secs, self._last = now - self._last, now
+        measured = stats.get(self.step_key)
+        if isinstance(measured, int | float) and measured > 0:
+            step_secs = float(measured)
+        self._elapsed += step_secs
         parts = [f"step {completed}/{self.total_steps}"]
         reward = next((stats[k] for k in self.reward_keys if k in stats), None)
         if reward is not None:
@@ -343,7 +352,7 @@ class ProgressDisplay:
             parts.append(f"{stats[self.sample_key] * 60 / step_secs:,.1f} samples/min")
         steps_run = completed - self.start_step
         if steps_run > 0:
-            eta = (now - self._start) / steps_run * max(self.total_steps - completed, 0)
+            eta = self._elapsed / steps_run * max(self.total_steps - completed, 0)
             parts.append(f"ETA {_format_secs(eta)}")
         line = " | ".join(parts)
         if self._progress is not None:

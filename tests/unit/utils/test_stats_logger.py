@@ -232,6 +232,19 @@ def test_progress_plain_lines_when_not_a_terminal(tmp_path):
     assert console.file.getvalue() == ""  # plain mode goes to the log, not the console
 
 
+def test_progress_uses_the_step_time_the_trainer_measured():
+    clock = FakeClock()
+    display = ProgressDisplay(5, console=Console(file=io.StringIO()), clock=clock)
+    clock.now = 50.0  # an evaluation before training (30 s) and the first step (20 s)
+    stats = {"rollout/reward_mean": 0.25, "ppo_actor/n_valid_tokens": 500.0}
+    line = display.update(1, {**stats, "perf/step_seconds": 20.0})
+    # 500 tokens in the step's 20 s = 25 tok/s; 20 s per step x 4 steps left = 1:20
+    assert line == "step 1/5 | reward 0.250 | 25 tok/s | ETA 1:20"
+    clock.now = 60.0
+    # no measured time: the 10 s since the last update; mean (20 + 10) / 2 x 3 left = 45 s
+    assert display.update(2, {}).endswith("ETA 0:45")
+
+
 def test_progress_resumed_run_counts_from_start_step():
     clock = FakeClock()
     display = ProgressDisplay(100, start_step=50, console=Console(file=io.StringIO()), clock=clock)
