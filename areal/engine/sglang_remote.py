@@ -23,6 +23,7 @@ import os
 import random
 import secrets
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from areal.infra.weight_barrier import BarrierState
 from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils import logging, name_resolve, names
 from areal.utils.lifeline import child_env
-from areal.utils.network import find_free_port, gethostip, wait_healthy
+from areal.utils.network import find_free_port, gethostip, httpx_transport, wait_healthy
 from areal.utils.secrets import SecretStr, reveal
 
 __all__ = ["HFBackend", "RemoteInfEngine", "RemoteSGLangEngine", "SGLangBackend"]
@@ -88,6 +89,8 @@ class RemoteInfEngine(InferenceEngine):
             max_workers=8, thread_name_prefix="infer-ops"
         )
         self.workflow_executor: WorkflowExecutor | None = None
+        self._control_client: httpx.Client | None = None
+        self._control_lock = threading.Lock()
         self._initialized = False
         self._api_key = SecretStr(os.environ.get(API_KEY_ENV, "").strip())
         self._tokenizerless: set[str] = set()  # servers run with skip_tokenizer_init
@@ -107,6 +110,15 @@ class RemoteInfEngine(InferenceEngine):
             logging.register_secret(self._api_key)
         return reveal(self._api_key)
 
+    def _http(self) -> httpx.Client:
+        """One keep-alive client for the control requests to servers and proxies (pause,
+        weight updates, versions, stats): a client per request costs a TLS context and a
+        connection each time."""
+        with self._control_lock:
+            if self._control_client is None:
+                self._control_client = httpx.Client(transport=httpx_transport(), trust_env=False)
+            return self._control_client
+
     def _auth_headers(self) -> dict[str, str]:
         key = reveal(self._api_key)
         return {"Authorization": f"Bearer {key}"} if key else {}
@@ -118,7 +130,7 @@ class RemoteInfEngine(InferenceEngine):
         asked: ``/get_model_info``, which both serve.
         """
         try:
-            status = httpx.get(
+            status = self._http().get(
                 f"http://{address}/get_model_info", headers=self._auth_headers(), timeout=30
             ).status_code
         except httpx.HTTPError as e:
@@ -130,7 +142,7 @@ class RemoteInfEngine(InferenceEngine):
     def _learn_tokenizer(self, address: str) -> None:
         """Whether ``address`` runs without a tokenizer (SGLang ``skip_tokenizer_init``)."""
         try:
-            response = httpx.get(
+            response = self._http().get(
                 f"http://{address}/get_server_info", headers=self._auth_headers(), timeout=30
             )
             info = response.json() if response.status_code == 200 else {}
@@ -238,6 +250,10 @@ class RemoteInfEngine(InferenceEngine):
         self._run_destroy_callbacks()
         self.teardown_server()
         self.barrier.close()  # its proxies are gone
+        with self._control_lock:
+            if self._control_client is not None:
+                self._control_client.close()
+                self._control_client = None
         self._pool.shutdown(wait=False)
         self._initialized = False
 
@@ -535,7 +551,7 @@ class RemoteInfEngine(InferenceEngine):
                 last: Exception | None = None
                 for attempt in range(retries):
                     try:
-                        response = httpx.post(
+                        response = self._http().post(
                             f"http://{address}{request.endpoint}",
                             json=request.payload,
                             headers=self._auth_headers(),
@@ -591,8 +607,12 @@ class RemoteInfEngine(InferenceEngine):
         def run() -> None:
             exp, trial = self.config.experiment_name, self.config.trial_name
             if exp and trial and meta.version is not None:
+                # first polls every few milliseconds: a small model's save takes tens of
+                # them, and the gap between the save and the look is paid every update
                 name_resolve.wait(
-                    names.update_weights_from_disk(exp, trial, meta.version), timeout=120
+                    names.update_weights_from_disk(exp, trial, meta.version),
+                    timeout=120,
+                    first_interval=0.005,
                 )
             self._fan_out(
                 self.backend.build_disk_weight_update_requests(meta).requests,
@@ -637,7 +657,7 @@ class RemoteInfEngine(InferenceEngine):
         """One attempt each: a retry could not rejoin a collective operation."""
 
         def send(address: str, request: HttpRequest) -> None:
-            response = httpx.post(
+            response = self._http().post(
                 f"http://{address}{request.endpoint}",
                 json=request.payload,
                 headers=self._auth_headers(),
@@ -714,7 +734,7 @@ class RemoteInfEngine(InferenceEngine):
         out = []
         for proxy in self.local_proxies:
             try:
-                response = httpx.post(
+                response = self._http().post(
                     f"http://{proxy.address}/rl/stats", headers=headers, timeout=30
                 )
                 response.raise_for_status()

@@ -426,18 +426,34 @@ def reset() -> None:
     _repository.reset()
 
 
-def wait(name: str, timeout: float | None = None, poll_interval: float = 0.1) -> str:
-    """Poll until ``name`` exists; ``TimeoutError`` after ``timeout`` seconds."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+FAST_POLL_SECONDS = 1.0  # how long wait(first_interval=...) polls fast
+
+
+def wait(
+    name: str,
+    timeout: float | None = None,
+    poll_interval: float = 0.1,
+    first_interval: float | None = None,
+) -> str:
+    """Poll until ``name`` exists; ``TimeoutError`` after ``timeout`` seconds.
+
+    With ``first_interval`` the first second polls that often, then every
+    ``poll_interval``: a key that usually appears within milliseconds is seen at once,
+    and a slow one does not cost the shared file system a look every few milliseconds.
+    """
+    began = time.monotonic()
+    deadline = None if timeout is None else began + timeout
     while True:
         try:
             return get(name)
         except NameEntryNotFoundError:
-            if deadline is not None and time.monotonic() >= deadline:
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
                 raise TimeoutError(
                     f"name-resolve key {name!r} did not appear in {timeout}s"
                 ) from None
-            time.sleep(poll_interval)
+            fast = first_interval is not None and now - began < FAST_POLL_SECONDS
+            time.sleep(min(first_interval, poll_interval) if fast else poll_interval)
 
 
 atexit.register(lambda: _repository.reset())

@@ -46,6 +46,7 @@ from areal.infra.scheduler.exceptions import (
     SchedulerError,
     WorkerConfigurationError,
 )
+from areal.utils.network import httpx_transport
 from areal.utils.secrets import SecretStr, reveal
 
 __all__ = ["RPCClient"]
@@ -112,7 +113,8 @@ class RPCClient:
 
     def _new_client(self, cls: type) -> Any:
         headers = {"content-type": "application/json"}
-        return cls(base_url=self.base_url, headers=headers, auth=self._auth)
+        options = {"transport": httpx_transport()} if cls is httpx.Client else {}
+        return cls(base_url=self.base_url, headers=headers, auth=self._auth, **options)
 
     def _unauthenticated(self, path: str, error: SignatureError) -> RPCAuthenticationError:
         return RPCAuthenticationError(
