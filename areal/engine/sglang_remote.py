@@ -130,9 +130,11 @@ class RemoteInfEngine(InferenceEngine):
         asked: ``/get_model_info``, which both serve.
         """
         try:
-            status = self._http().get(
-                f"http://{address}/get_model_info", headers=self._auth_headers(), timeout=30
-            ).status_code
+            status = (
+                self._http()
+                .get(f"http://{address}/get_model_info", headers=self._auth_headers(), timeout=30)
+                .status_code
+            )
         except httpx.HTTPError as e:
             logger.warning("could not check the API key on %s: %s", address, e)
             return

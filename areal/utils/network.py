@@ -29,7 +29,6 @@ def httpx_transport(**kwargs):
     return httpx.HTTPTransport(socket_options=NO_DELAY, **kwargs)
 
 
-
 def gethostip() -> str:
     """This host's outward-facing IP (loopback when there is no route out)."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
