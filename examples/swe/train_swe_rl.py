@@ -374,7 +374,8 @@ def local_arena_if_requested(config: SWEPPOConfig) -> Iterator[Any]:
     directory.mkdir(parents=True, exist_ok=True)
     previous = {name: os.environ.get(name) for name in LOCAL_ARENA_ENV}
     catalog = os.environ.get("AREAL_LOCAL_ARENA_CATALOG") or None
-    with running_local_arena(directory, catalog) as arena:
+    slots = local_arena_task_slots(config)
+    with running_local_arena(directory, catalog, max_concurrent_tasks=slots) as arena:
         logging.register_secret(arena.token)
         try:
             os.environ["ARENA_OPENAPI_BASE"] = arena.base_url
@@ -390,6 +391,19 @@ def local_arena_if_requested(config: SWEPPOConfig) -> Iterator[Any]:
                     os.environ.pop(name, None)
                 else:
                     os.environ[name] = value
+
+
+def local_arena_task_slots(config: SWEPPOConfig) -> int:
+    """Tasks the local Arena runs at once: every task the rollout side may have in flight
+    (the staleness bound and ``max_concurrent_rollouts`` count groups of ``n_samples``
+    tasks), at least the server's default of 64, at most its limit of 1024. Fewer would
+    queue tasks inside the Arena and undo the asynchronous pipeline."""
+    rollout = config.rollout
+    batch = max(1, rollout.consumer_batch_size)
+    groups = min(
+        rollout.max_concurrent_rollouts or batch, (rollout.max_head_offpolicyness + 1) * batch
+    )
+    return max(64, min(1024, groups * max(1, config.gconfig.n_samples)))
 
 
 # --- entry point ---

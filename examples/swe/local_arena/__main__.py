@@ -76,7 +76,7 @@ def fault_settings(args: argparse.Namespace, base: dict) -> FaultConfig:
     forced = dict(settings.get("force_status") or {})
     forced.update(_pairs(args.force_status, "--force-status"))
     settings["force_status"] = forced
-    for name in ("latency_ms", "route_ttl_seconds", "seed"):
+    for name in ("latency_ms", "env_latency_ms", "route_ttl_seconds", "seed"):
         value = getattr(args, name)
         if value is not None:
             settings[name] = value
@@ -110,6 +110,12 @@ def parser() -> argparse.ArgumentParser:
         help=f"inject errors; KIND in {', '.join(ERROR_KINDS)}",
     )
     s.add_argument("--latency-ms", type=float, default=None)
+    s.add_argument(
+        "--env-latency-ms",
+        type=float,
+        default=None,
+        help="time built-in harnesses spend in their environment after each LLM call",
+    )
     s.add_argument(
         "--force-status",
         action="append",

@@ -15,7 +15,7 @@ Schema (every section optional; unknown keys are rejected)::
         version: 1.0.0                # required; "*" matches any version of the key
         status: PUBLISHED             # PUBLISHED (default) or DRAFT
         protocol: chat_completions    # required, one of LLM_PROTOCOLS
-        kind: answer                  # required: answer | tool_agent | claude-code | codex
+        kind: answer                  # required: a kind of HARNESS_KINDS
         options: {max_tokens: 128}    # optional mapping, read by the harness
     rewards:                          # list; key@version unique
       - key: exact-match              # required
@@ -69,7 +69,7 @@ __all__ = ["DEFAULT_CATALOG", "HARNESS_KINDS", "STREAM_STATUSES", "load_catalog"
 
 DEFAULT_CATALOG = Path(__file__).parent / "catalogs" / "default.yaml"
 
-HARNESS_KINDS = ("answer", "tool_agent", "claude-code", "codex")
+HARNESS_KINDS = ("answer", "multi_turn", "tool_agent", "claude-code", "codex")
 HARNESS_STATUSES = ("PUBLISHED", "DRAFT")
 STREAM_STATUSES = ("ACTIVE", "PAUSED", "ARCHIVED")
 

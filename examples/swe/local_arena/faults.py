@@ -13,6 +13,11 @@ while the server runs (``PUT /openapi/v1/local/faults``):
     added to every ``/openapi/v1`` and gateway call, in [0, 60000] milliseconds. The
     fault settings endpoints (``/openapi/v1/local/...``) are never delayed, so a latency
     can always be taken back, and a stopping server cuts every injected delay short.
+``env_latency_ms``
+    the time every built-in harness spends in its environment after each LLM call (as a
+    tool run or a sandbox step would), in [0, 60000] milliseconds: with the multi-turn
+    harness (``kind: multi_turn``) it makes an agent workload whose rollouts are
+    dominated by environment time, not generation. Read when a task starts.
 ``force_status``
     ``{data_id or stream_id: STATUS}``: tasks for that row or Stream end with the status
     (for example ``HARNESS_FAILED``, ``TIMEOUT``) without running the harness.
@@ -73,6 +78,7 @@ class FaultError(ValueError):
 class FaultConfig:
     error_rates: dict[str, float] = field(default_factory=dict)
     latency_ms: float = 0.0
+    env_latency_ms: float = 0.0
     force_status: dict[str, str] = field(default_factory=dict)
     fail_after_harness: dict[str, str] = field(default_factory=dict)
     route_ttl_seconds: float | None = None
@@ -105,14 +111,8 @@ class FaultConfig:
             raise FaultError(f"{where}.error_rates: the rates add up to more than 1")
         forced = _statuses(raw, "force_status", where)
         after = _statuses(raw, "fail_after_harness", where, formats=True)
-        latency = raw.get("latency_ms", 0.0)
-        if latency is None:
-            latency = 0.0
-        if not _number_in(latency, 0.0, MAX_LATENCY_MS):
-            raise FaultError(
-                f"{where}.latency_ms must be a number of milliseconds in "
-                f"[0, {MAX_LATENCY_MS:g}], got {_shown(latency)}"
-            )
+        latency = _milliseconds(raw, "latency_ms", where)
+        env_latency = _milliseconds(raw, "env_latency_ms", where)
         ttl = raw.get("route_ttl_seconds")
         if ttl is not None and not (_number_in(ttl, 0.0, MAX_ROUTE_TTL_S) and ttl > 0):
             raise FaultError(
@@ -126,12 +126,13 @@ class FaultConfig:
             raise FaultError(
                 f"{where}.seed must be an integer in [0, 2**63) or null, got {_shown(seed)}"
             )
-        return cls(checked, float(latency), forced, after, ttl, seed)
+        return cls(checked, latency, env_latency, forced, after, ttl, seed)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "error_rates": dict(self.error_rates),
             "latency_ms": self.latency_ms,
+            "env_latency_ms": self.env_latency_ms,
             "force_status": dict(self.force_status),
             "fail_after_harness": dict(self.fail_after_harness),
             "route_ttl_seconds": self.route_ttl_seconds,
@@ -205,3 +206,16 @@ def _statuses(
             )
         out[str(target)] = normalized
     return out
+
+
+def _milliseconds(raw: dict[str, Any], key: str, where: str) -> float:
+    """``raw[key]``: a delay in [0, MAX_LATENCY_MS] milliseconds (absent or null: 0)."""
+    value = raw.get(key, 0.0)
+    if value is None:
+        value = 0.0
+    if not _number_in(value, 0.0, MAX_LATENCY_MS):
+        raise FaultError(
+            f"{where}.{key} must be a number of milliseconds in "
+            f"[0, {MAX_LATENCY_MS:g}], got {_shown(value)}"
+        )
+    return float(value)

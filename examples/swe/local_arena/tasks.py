@@ -221,6 +221,7 @@ class TaskRunner:
             workdir=workdir,
             timeout=timeout,
             session_id=launch.session_id,
+            env_seconds=self.faults().env_latency_ms / 1000,
         )
         from examples.swe.local_arena.graders import grade
         from examples.swe.local_arena.harnesses import run_harness

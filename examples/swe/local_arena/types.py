@@ -166,6 +166,7 @@ class HarnessRun:
     workdir: Path
     timeout: float
     session_id: str = ""
+    env_seconds: float = 0.0  # spent "in the environment" after each LLM call (faults)
 
 
 @dataclass

@@ -3,6 +3,8 @@
 :func:`run_harness` picks the implementation by ``HarnessSpec.kind``:
 
 * ``answer``: one LLM call in ``spec.protocol``; the reply text is the answer.
+* ``multi_turn``: ``options.turns`` LLM calls, each after an observation message; the last
+  reply is the answer (an agent workload without tools, for benchmarks).
 * ``tool_agent``: a short loop in which the model may call ``run_python``, ``bash`` and
   ``submit``; ``submit`` ends the episode with its argument as the answer.
 * ``claude-code`` and ``codex``: the real CLIs (``make agent-clis``), run in ``run.workdir``
@@ -29,7 +31,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from examples.swe.local_arena.harnesses.builtin import run_answer, run_tool_agent
+from examples.swe.local_arena.harnesses.builtin import run_answer, run_multi_turn, run_tool_agent
 from examples.swe.local_arena.harnesses.cli import (
     CLI_KINDS,
     cli_available,
@@ -47,10 +49,11 @@ from examples.swe.local_arena.types import (
 
 __all__ = ["CLI_KINDS", "HARNESS_KINDS", "cli_available", "run_harness", "session_headers"]
 
-HARNESS_KINDS = ("answer", "tool_agent", *CLI_KINDS)
+HARNESS_KINDS = ("answer", "multi_turn", "tool_agent", *CLI_KINDS)
 
 _RUNNERS: dict[str, Callable[[HarnessSpec, HarnessRun], Awaitable[HarnessOutput]]] = {
     "answer": run_answer,
+    "multi_turn": run_multi_turn,
     "tool_agent": run_tool_agent,
     "claude-code": run_claude_code,
     "codex": run_codex,

@@ -1,4 +1,9 @@
-"""Built-in harnesses: ``answer`` (one LLM call) and ``tool_agent`` (a short tool loop).
+"""Built-in harnesses: ``answer`` (one LLM call), ``multi_turn`` (a fixed number of LLM
+calls, each after an observation) and ``tool_agent`` (a short tool loop).
+
+After each LLM call every built-in harness spends ``run.env_seconds`` in its environment
+(the local Arena's ``env_latency_ms`` fault setting): the time a tool run or a sandbox step
+takes in a real agent, so that a run can be dominated by environment time.
 
 The ``tool_agent`` model may call ``run_python`` and ``bash``, which run in the shared
 :mod:`examples.swe.local_arena.sandbox` with the task's working directory as HOME, and
@@ -17,9 +22,9 @@ from examples.swe.local_arena import sandbox
 from examples.swe.local_arena.harnesses.llm import ToolCall, ToolDef, llm_client
 from examples.swe.local_arena.harnesses.results import HarnessResultError, gameagent_fields
 from examples.swe.local_arena.harnesses.session import clip
-from examples.swe.local_arena.types import HarnessOutput, HarnessRun, HarnessSpec
+from examples.swe.local_arena.types import HarnessError, HarnessOutput, HarnessRun, HarnessSpec
 
-__all__ = ["TOOLS", "ToolCallError", "run_answer", "run_tool_agent"]
+__all__ = ["TOOLS", "ToolCallError", "run_answer", "run_multi_turn", "run_tool_agent"]
 
 ANSWER_SYSTEM = "Answer the question. Reply with only the final answer, as briefly as possible."
 AGENT_SYSTEM = (
@@ -27,6 +32,7 @@ AGENT_SYSTEM = (
     "command); both run in a scratch directory without network access. When you know the "
     "answer, call submit with only the final answer."
 )
+OBSERVATION = "Observation: the environment ran your step. Continue, then give the final answer."
 TOOL_OUTPUT_BYTES = 4096  # what the model sees of a tool's output (head and tail halves)
 
 
@@ -39,8 +45,40 @@ async def run_answer(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
     async with llm_client(spec, run) as llm:
         history = llm.wire.start(system, run.prompt)
         reply = await llm.call(system, history, [])
+        await _environment(run)
     transcript = [{"turn": 1, "role": "assistant", "text": clip(reply.text)}]
     return HarnessOutput(reply.text, turns=1, transcript=transcript)
+
+
+# --- multi_turn ---
+
+
+async def run_multi_turn(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
+    """``turns`` LLM calls (option, default 3); after each, the environment's time and an
+    observation as the next user message. The last non-empty reply is the answer."""
+    system = spec.options.get("system") or ANSWER_SYSTEM
+    turns = spec.options.get("turns", 3)
+    if isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= 100:
+        raise HarnessError(f"harness {spec.ref}: options.turns must be an integer in [1, 100]")
+    transcript: list[dict[str, Any]] = []
+    answer = ""
+    async with llm_client(spec, run) as llm:
+        history = llm.wire.start(system, run.prompt)
+        for turn in range(1, turns + 1):
+            reply = await llm.call(system, history, [])
+            history.extend(reply.history)
+            transcript.append({"turn": turn, "role": "assistant", "text": clip(reply.text)})
+            answer = reply.text or answer
+            await _environment(run)
+            if turn < turns:
+                history.append({"role": "user", "content": OBSERVATION})
+    return HarnessOutput(answer, turns=turns, transcript=transcript)
+
+
+async def _environment(run: HarnessRun) -> None:
+    """The environment's share of a turn (``run.env_seconds``)."""
+    if run.env_seconds > 0:
+        await asyncio.sleep(run.env_seconds)
 
 
 # --- tool_agent ---
@@ -93,6 +131,7 @@ async def run_tool_agent(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
         history = llm.wire.start(system, run.prompt)
         for turn in range(1, max_turns + 1):
             reply = await llm.call(system, history, TOOLS)
+            await _environment(run)
             history.extend(reply.history)
             transcript.append(
                 {
