@@ -231,8 +231,17 @@ def _harness(source: _Source, path: str, entry: Any) -> HarnessSpec:
         ),
         protocol=source.text(f"{path}.protocol", entry["protocol"], choices=LLM_PROTOCOLS),
         kind=source.text(f"{path}.kind", entry["kind"], choices=HARNESS_KINDS),
-        options=source.options(f"{path}.options", entry.get("options")),
+        options=_harness_options(source, path, entry),
     )
+
+
+def _harness_options(source: _Source, path: str, entry: dict[str, Any]) -> dict[str, Any]:
+    options = source.options(f"{path}.options", entry.get("options"))
+    turns = options.get("turns")
+    bad = isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= 100
+    if entry["kind"] == "multi_turn" and turns is not None and bad:
+        source.fail(f"{path}.options.turns", f"must be an integer in [1, 100], got {turns!r}")
+    return options
 
 
 def _reward(source: _Source, path: str, entry: Any) -> RewardSpec:

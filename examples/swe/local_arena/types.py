@@ -93,8 +93,9 @@ class StreamSpec:
 @dataclass(frozen=True)
 class HarnessSpec:
     """A harness version. ``kind`` picks the implementation in :mod:`.harnesses`:
-    ``answer`` (single turn), ``tool_agent`` (multi-turn with run_python/bash/submit
-    tools), ``claude-code`` or ``codex`` (the real CLIs)."""
+    ``answer`` (single turn), ``multi_turn`` (``options.turns`` turns, no tools),
+    ``tool_agent`` (multi-turn with run_python/bash/submit tools), ``claude-code`` or
+    ``codex`` (the real CLIs)."""
 
     key: str
     version: str

@@ -32,6 +32,11 @@ REPO = Path(__file__).resolve().parents[3]
         ({"latency_ms": float("inf")}, "latency_ms", "[0, 60000]"),
         ({"latency_ms": float("nan")}, "latency_ms", "[0, 60000]"),
         ({"latency_ms": 60_001}, "latency_ms", "[0, 60000]"),
+        ({"env_latency_ms": 1e30}, "env_latency_ms", "[0, 60000]"),
+        ({"env_latency_ms": float("inf")}, "env_latency_ms", "[0, 60000]"),
+        ({"env_latency_ms": float("nan")}, "env_latency_ms", "[0, 60000]"),
+        ({"env_latency_ms": 60_001}, "env_latency_ms", "[0, 60000]"),
+        ({"env_latency_ms": -1}, "env_latency_ms", "[0, 60000]"),
         ({"route_ttl_seconds": float("inf")}, "route_ttl_seconds", "(0, 86400]"),
         ({"route_ttl_seconds": float("nan")}, "route_ttl_seconds", "(0, 86400]"),
         ({"route_ttl_seconds": 1e30}, "route_ttl_seconds", "(0, 86400]"),
@@ -63,6 +68,15 @@ def test_cli_latency_flag_is_refused_before_serving(tmp_path):
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=20)
     assert done.returncode == 2
     assert "latency_ms must be a number of milliseconds in [0, 60000]" in done.stderr
+
+
+def test_cli_env_latency_flag_is_refused_before_serving(tmp_path):
+    argv = [sys.executable, "-m", "examples.swe.local_arena", "serve", "--port", "0"]
+    argv += ["--db", str(tmp_path / "a.db"), "--env-latency-ms", "1e30"]
+    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=20)
+    assert done.returncode == 2
+    assert ".env_latency_ms must be a number of milliseconds in [0, 60000]" in done.stderr
+    assert not (tmp_path / "a.db").exists()  # refused before the database was opened
 
 
 @pytest.mark.parametrize(

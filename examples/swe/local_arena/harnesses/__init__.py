@@ -22,8 +22,9 @@ network namespace when ``unshare`` works here, plus a socket guard inside Python
 Time: the whole run is bounded by ``run.timeout``; past it :class:`TimeoutError` propagates
 (the server's TIMEOUT). Cancellation kills every child process group a harness started.
 
-Modules: :mod:`.llm` (protocol clients), :mod:`.builtin` (``answer``, ``tool_agent``),
-:mod:`.cli` (``claude-code``, ``codex``), :mod:`.session` (session headers, redaction).
+Modules: :mod:`.llm` (protocol clients), :mod:`.builtin` (``answer``, ``multi_turn``,
+``tool_agent``), :mod:`.cli` (``claude-code``, ``codex``), :mod:`.session` (session
+headers, redaction).
 """
 
 from __future__ import annotations

@@ -59,7 +59,9 @@ async def run_multi_turn(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
     system = spec.options.get("system") or ANSWER_SYSTEM
     turns = spec.options.get("turns", 3)
     if isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= 100:
-        raise HarnessError(f"harness {spec.ref}: options.turns must be an integer in [1, 100]")
+        raise HarnessError(
+            f"harness {spec.ref}: options.turns must be an integer in [1, 100], got {turns!r}"
+        )
     transcript: list[dict[str, Any]] = []
     answer = ""
     async with llm_client(spec, run) as llm:
@@ -68,7 +70,7 @@ async def run_multi_turn(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
             reply = await llm.call(system, history, [])
             history.extend(reply.history)
             transcript.append({"turn": turn, "role": "assistant", "text": clip(reply.text)})
-            answer = reply.text or answer
+            answer = reply.text if (reply.text or "").strip() else answer
             await _environment(run)
             if turn < turns:
                 history.append({"role": "user", "content": OBSERVATION})
@@ -141,7 +143,7 @@ async def run_tool_agent(spec: HarnessSpec, run: HarnessRun) -> HarnessOutput:
                     "tools": [c.name for c in reply.calls],
                 }
             )
-            answer = reply.text or answer
+            answer = reply.text if (reply.text or "").strip() else answer
             if not reply.calls:
                 return HarnessOutput(reply.text, turns=turn, transcript=transcript)
             results = []
