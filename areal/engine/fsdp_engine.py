@@ -470,13 +470,40 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
     # --- checkpoints ---
 
     def _full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """The HF-named full state dict on rank 0 (empty elsewhere); collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        """The HF-named full state dict in host memory on rank 0 (empty elsewhere);
+        collective.
 
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        state = get_model_state_dict(self.model, options=options)
-        if dtype is not None:
-            state = {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+        One tensor at a time: gathered and cast to ``dtype`` on the device, then copied to
+        the host (a tensor that two names share, as tied embeddings do, is gathered and
+        copied once). Casting before the copy moves half the bytes of fp32 master weights
+        across, and the host never casts.
+        """
+        rank0 = dist.get_rank() == 0
+        state: dict[str, torch.Tensor] = {}
+        copied: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+        with torch.no_grad():
+            for name, tensor in self.model.state_dict().items():
+                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                key = (
+                    local.untyped_storage().data_ptr(),
+                    local.storage_offset(),
+                    tuple(local.shape),
+                )
+                if key in copied:
+                    if rank0:
+                        state[name] = copied[key]
+                    continue
+                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                if not rank0:
+                    continue
+                if dtype is not None and full.is_floating_point():
+                    full = full.to(dtype)
+                host = (
+                    full.detach().to("cpu", copy=True)
+                    if full.device.type != "cpu"
+                    else full.detach().clone()
+                )
+                copied[key] = state[name] = host
         return state
 
     def _save_hf(self, path: str, tokenizer: Any = None) -> None:

@@ -548,7 +548,7 @@ class GenerationEngine:
     def _cmd_update_weights(
         self, model_path: str, abort_all_requests: bool = True
     ) -> dict[str, Any]:
-        state = _read_state_dict(Path(model_path))
+        state = _read_state_dict(Path(model_path), self.device)
         current = self.model.state_dict()
         missing = sorted(k for k in set(current) - set(state) if not _is_tied(self.model, k))
         if missing:
@@ -676,7 +676,9 @@ def _is_tied(model: torch.nn.Module, name: str) -> bool:
     return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
-def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
+def _read_state_dict(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path``, read straight onto ``device`` (no host
+    copy of the whole model first, then a pageable copy per tensor)."""
     from safetensors.torch import load_file
 
     files = sorted(path.glob("*.safetensors"))
@@ -684,5 +686,5 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         raise RequestError(f"no *.safetensors checkpoint in {path}", "model_path")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file)))
+        state.update(load_file(str(file), device=str(device)))
     return state

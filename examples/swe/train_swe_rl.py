@@ -398,7 +398,9 @@ def local_arena_task_slots(config: SWEPPOConfig) -> int:
     (the staleness bound and ``max_concurrent_rollouts`` count groups of ``n_samples``
     tasks), at least the server's default of 64, at most its limit of 1024. Fewer would
     queue tasks inside the Arena and undo the asynchronous pipeline."""
-    rollout = config.rollout
+    rollout = getattr(config, "rollout", None)
+    if rollout is None:  # a hand-built config without a rollout section
+        return 64
     batch = max(1, rollout.consumer_batch_size)
     groups = min(
         rollout.max_concurrent_rollouts or batch, (rollout.max_head_offpolicyness + 1) * batch

@@ -680,3 +680,26 @@ def test_a_held_out_stream_must_not_be_trained_on(arena_config, held):
     econfig.arena_eval_streams = [ArenaStreamConfig(**held)]
     with pytest.raises(ValueError, match=r"arena_eval_streams.*also a training Stream"):
         build_training_inputs(arena_config, arena_client=arena.client())
+
+
+def test_the_local_arena_runs_every_task_the_rollout_side_may_have_in_flight():
+    """Groups in flight (the staleness bound, max_concurrent_rollouts) times n_samples
+    tasks, within the server's [64, 1024]; fewer slots queue tasks inside the Arena."""
+    from types import SimpleNamespace
+
+    from examples.swe.train_swe_rl import local_arena_task_slots
+
+    def slots(eta: int, batch: int, samples: int, concurrent: int | None) -> int:
+        rollout = SimpleNamespace(
+            consumer_batch_size=batch,
+            max_head_offpolicyness=eta,
+            max_concurrent_rollouts=concurrent,
+        )
+        return local_arena_task_slots(
+            SimpleNamespace(rollout=rollout, gconfig=SimpleNamespace(n_samples=samples))
+        )
+
+    assert slots(2, 8, 8, 100) == 3 * 8 * 8  # the staleness bound: (eta + 1) batches
+    assert slots(2, 8, 8, 10) == 10 * 8  # max_concurrent_rollouts counts groups
+    assert slots(0, 2, 8, None) == 64  # at least the server's default
+    assert slots(10, 64, 16, None) == 1024  # at most its limit
