@@ -62,20 +62,15 @@ def test_catalog_faults_are_bounded_at_load(tmp_path):
         load_catalog(catalog)
 
 
-def test_cli_latency_flag_is_refused_before_serving(tmp_path):
+@pytest.mark.parametrize(
+    ("flag", "field"), [("--latency-ms", ".latency_ms"), ("--env-latency-ms", ".env_latency_ms")]
+)
+def test_cli_latency_flags_are_refused_before_serving(tmp_path, flag, field):
     argv = [sys.executable, "-m", "examples.swe.local_arena", "serve", "--port", "0"]
-    argv += ["--db", str(tmp_path / "a.db"), "--latency-ms", "1e30"]
+    argv += ["--db", str(tmp_path / "a.db"), flag, "1e30"]
     done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=20)
     assert done.returncode == 2
-    assert "latency_ms must be a number of milliseconds in [0, 60000]" in done.stderr
-
-
-def test_cli_env_latency_flag_is_refused_before_serving(tmp_path):
-    argv = [sys.executable, "-m", "examples.swe.local_arena", "serve", "--port", "0"]
-    argv += ["--db", str(tmp_path / "a.db"), "--env-latency-ms", "1e30"]
-    done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=20)
-    assert done.returncode == 2
-    assert ".env_latency_ms must be a number of milliseconds in [0, 60000]" in done.stderr
+    assert f"{field} must be a number of milliseconds in [0, 60000]" in done.stderr
     assert not (tmp_path / "a.db").exists()  # refused before the database was opened
 
 
