@@ -26,12 +26,17 @@ x3 for forward plus backward. Peak: --peak-tflops (989 for H100/H200 dense bf16)
   tensor-parallel rank its log-probs are chunked like the engine's, so it takes the same
   micro-batch budget unless --megatron-mb-tokens says otherwise.
 
+* megatron+kernels: the same with ``use_kernels=True``: the log-prob chunks and the packed
+  rotary embedding run compiled, and Megatron's own fused SwiGLU (``bias_activation_fusion``,
+  itself a ``torch.compile`` function) replaces the unfused activation.
+
 ``--profile`` adds one profiled step per engine column: kernel time by class (GEMM, flash
 attention, compiled Triton kernels, other elementwise, ...) and the top kernels.
 
     python3 bench/train_engine.py                 # engine, engine+kernels, plain (GPU)
     python3 bench/train_engine.py --only engine+kernels --engine-mb-tokens 81920
     python3 bench/train_engine.py --engines fsdp,megatron --profile
+    python3 bench/train_engine.py --engines fsdp,fsdp+kernels,megatron,megatron+kernels
 """
 
 from __future__ import annotations
@@ -54,6 +59,12 @@ import torch  # noqa: E402
 
 from areal.utils.table import render_table  # noqa: E402
 from areal.utils.tiny_model import QWEN2_05B_SHAPE, build_tiny_model  # noqa: E402
+from bench.gpu_idle import (  # noqa: E402
+    GPU_CATEGORIES,
+    attribute_idle,
+    idle_profile,
+    step_window,
+)
 
 RESULTS = ROOT / "bench" / "results" / "train_engine.json"
 
@@ -100,22 +111,32 @@ KERNEL_CLASSES = (  # (label, substrings of CUDA kernel names), first match wins
 
 
 def profile_step(step) -> dict:
-    """One profiled ``step()``: GPU busy share, kernel time by class, top kernels."""
-    from torch.profiler import ProfilerActivity, profile
+    """One profiled ``step()``: GPU busy share, kernel time by class, top kernels.
+
+    Kernel times come from the exported trace (each kernel's own start and end, as the
+    GPU ran it); busy time is the union of those intervals, so the idle share is the
+    wall time no kernel, copy or memset was running. (The ``FunctionEvent`` totals that
+    ``prof.events()`` gives attribute only part of some kernels' time, which made an
+    earlier version of this bench report the Megatron step about 35 % idle when its GPU
+    was busy about 97 % of the step.)
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with profile(activities=activities) as prof, record_function("idle_step"):
         begin = time.perf_counter()
         step()
         torch.cuda.synchronize()
         wall = time.perf_counter() - begin
+    with tempfile.TemporaryDirectory() as tmp:
+        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+        trace = json.loads(Path(tmp, "trace.json").read_text())
+    idle = attribute_idle(trace, window=step_window(trace))
     kernels: dict[str, float] = {}
-    for event in prof.events():
-        # "Optimizer.step#..."-style names are annotations spanning kernels, not kernels
-        if event.device_type == torch.autograd.DeviceType.CUDA and "#" not in event.name:
-            seconds = event.self_device_time_total / 1e6
-            kernels[event.name] = kernels.get(event.name, 0.0) + seconds
-    busy = sum(kernels.values())
+    for event in trace["traceEvents"]:
+        if event.get("ph") == "X" and event.get("cat") in GPU_CATEGORIES:
+            kernels[event["name"]] = kernels.get(event["name"], 0.0) + event["dur"] / 1e6
     classes: dict[str, float] = {}
     for name, seconds in kernels.items():
         label = next(
@@ -138,10 +159,9 @@ def profile_step(step) -> dict:
     }
     return {
         "wall_s": wall,
-        "gpu_busy_s": busy,
-        "kernel_launches": sum(
-            1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-        ),
+        "gpu_busy_s": idle["busy_s"],
+        "gpu_idle_share": idle["idle_s"] / idle["wall_s"],
+        "kernel_launches": sum(1 for e in trace["traceEvents"] if e.get("cat") in GPU_CATEGORIES),
         "by_class_s": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
         "top_kernels_s": [[name[:110], seconds] for name, seconds in top],
         "top_host_ops_s": [[name[:80], seconds, count] for name, seconds, count in host[:25]],
@@ -187,12 +207,10 @@ def host_sync_sites(step, top: int = 10) -> list[list]:
 
 
 def print_profile(name: str, prof: dict) -> None:
-    wall, busy = prof["wall_s"], prof["gpu_busy_s"]
+    wall, idle = prof["wall_s"], prof["gpu_idle_share"]
     rows = [[label, seconds, f"{100 * seconds / wall:.1f}%"]
             for label, seconds in prof["by_class_s"].items()]  # fmt: skip
-    rows.append(
-        ["GPU idle (launch/host)", max(0.0, wall - busy), f"{100 * (1 - busy / wall):.1f}%"]
-    )
+    rows.append(["GPU idle (no kernel running)", idle * wall, f"{100 * idle:.1f}%"])
     print(render_table(f"{name}: one profiled step, {wall:.3f} s", ["kernels", "s", "share"], rows))
     top = [[n, s, f"{100 * s / wall:.1f}%"] for n, s in prof["top_kernels_s"]]
     print(render_table(f"{name}: top kernels", ["kernel", "s", "share"], top))
@@ -202,6 +220,15 @@ def print_profile(name: str, prof: dict) -> None:
         print(render_table(title, ["op", "s", "calls"], host))
     for site, count in prof.get("sync_sites", []):
         print(f"  {count:5d} host reads at {site}")
+    idle = prof.get("idle")
+    if idle:
+        title = (
+            f"{name}: GPU idle with Python stacks on, {idle['idle_s']:.3f} of {idle['wall_s']:.3f}"
+            f" s ({idle['gaps']} gaps; {idle['host_bound_s']:.3f} s host-bound, "
+            f"{idle['waiting_s']:.3f} s waiting)"
+        )
+        rows = [[site[:110], f"{1e3 * s:.2f}", n] for site, s, n in idle["sites"]]
+        print(render_table(title, ["host was running", "idle ms", "gaps"], rows))
     if prof.get("sync_points"):
         rows = [[k[:80], v] for k, v in prof["sync_points"].items()]
         print(render_table(f"{name}: host waits and copies", ["call", "count"], rows))
@@ -217,6 +244,7 @@ def run_engine(
     use_kernels: bool = False,
     profile: bool = False,
     chunk_size: int = 8192,
+    trace_to: str | None = None,
 ) -> dict:
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 
@@ -249,13 +277,14 @@ def run_engine(
     def weight_fn(mb):
         return mb["loss_mask"].count_nonzero()
 
-    times, stats = [], {}
+    times, stats, losses = [], {}, []
     warmup = 2 if use_kernels else 1  # compiled kernels: the first steps compile
     for step in range(steps + warmup):
         torch.cuda.synchronize()
         begin = time.perf_counter()
         stats = engine.train_batch(batch, loss_fn, weight_fn)
         torch.cuda.synchronize()
+        losses.append(stats.get("loss"))
         if step >= warmup:  # warm-up steps build kernels and fill allocators
             times.append(time.perf_counter() - begin)
     result = {
@@ -263,11 +292,15 @@ def run_engine(
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
         "micro_batches": stats.get("num_micro_batches"),
         "last_loss": stats.get("loss"),
+        "losses": losses,  # every step's, warm-up included (same batch, same start)
     }
     if profile:
         result["profile"] = profile_step(lambda: engine.train_batch(batch, loss_fn, weight_fn))
         result["profile"]["sync_sites"] = host_sync_sites(
             lambda: engine.train_batch(batch, loss_fn, weight_fn)
+        )
+        result["profile"]["idle"] = idle_profile(
+            lambda: engine.train_batch(batch, loss_fn, weight_fn), save_to=trace_to
         )
     engine.destroy()
     return result
@@ -349,7 +382,9 @@ def main() -> None:
         "--engines",
         default="fsdp,fsdp+kernels",
         help="comma-separated engine columns: fsdp (reported as 'engine'), fsdp+kernels "
-        "(use_kernels: compiled decoder layers and log-prob chunks), megatron",
+        "(use_kernels: compiled decoder layers and log-prob chunks), megatron, "
+        "megatron+kernels (use_kernels: compiled log-prob chunks and rotary embedding, "
+        "Megatron's fused SwiGLU)",
     )
     parser.add_argument(
         "--logprobs-chunk-size", type=int, default=8192, help="engines: tokens per log-prob chunk"
@@ -358,10 +393,18 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument(
-        "--only", choices=["engine", "engine+kernels", "megatron", "plain"], default=None
+        "--only",
+        choices=["engine", "engine+kernels", "megatron", "megatron+kernels", "plain"],
+        default=None,
     )
     parser.add_argument(
         "--profile", action="store_true", help="profile one extra step of each engine column"
+    )
+    parser.add_argument(
+        "--trace-dir",
+        type=Path,
+        default=None,
+        help="with --profile: write each column's Python-stack trace there (gzipped JSON)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, default=RESULTS)
@@ -381,7 +424,7 @@ def main() -> None:
         flops = flops_per_step(cfg, seqs)
         results = {}
         engines = {e.strip() for e in args.engines.split(",") if e.strip()}
-        known = {"fsdp", "fsdp+kernels", "megatron"}
+        known = {"fsdp", "fsdp+kernels", "megatron", "megatron+kernels"}
         if engines - known:
             raise SystemExit(f"--engines: unknown {sorted(engines - known)}")
         engine = functools.partial(
@@ -393,6 +436,9 @@ def main() -> None:
              functools.partial(engine, backend="fsdp", use_kernels=True), args.engine_mb_tokens),
             ("megatron", "megatron", functools.partial(engine, backend="megatron"),
              args.megatron_mb_tokens or args.engine_mb_tokens),
+            ("megatron+kernels", "megatron+kernels",
+             functools.partial(engine, backend="megatron", use_kernels=True),
+             args.megatron_mb_tokens or args.engine_mb_tokens),
             ("plain", None, run_plain, args.mb_tokens),
         ]  # fmt: skip
         for name, key, run, budget in columns:
@@ -401,8 +447,12 @@ def main() -> None:
             if key is not None and key not in engines:
                 continue
             torch.cuda.reset_peak_memory_stats()
+            extra = {}
+            if key is not None and args.trace_dir is not None:
+                args.trace_dir.mkdir(parents=True, exist_ok=True)
+                extra["trace_to"] = str(args.trace_dir / f"trace_{key.replace('+', '_')}.json.gz")
             try:
-                results[name] = run(model_dir, seqs, budget, args.steps, args.lr)
+                results[name] = run(model_dir, seqs, budget, args.steps, args.lr, **extra)
             except torch.OutOfMemoryError as e:
                 results[name] = {"error": f"out of memory: {str(e)[:200]}"}
                 torch.cuda.empty_cache()
@@ -449,6 +499,15 @@ def main() -> None:
             speedup = results[name].get("tokens_per_s", 0) / results["plain"]["tokens_per_s"]
             print(f"{name} / plain tokens/s: {speedup:.2f}x")
             results["speedup" if name == "engine" else "speedup_kernels"] = speedup
+    for mine, other in (
+        ("megatron", "engine"),
+        ("megatron+kernels", "engine+kernels"),
+        ("megatron+kernels", "engine"),
+    ):
+        if "tokens_per_s" in results.get(mine, {}) and "tokens_per_s" in results.get(other, {}):
+            ratio = results[mine]["tokens_per_s"] / results[other]["tokens_per_s"]
+            print(f"{mine} / {other} tokens/s: {ratio:.3f}x")
+            results[f"ratio {mine} / {other}"] = ratio
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(
         json.dumps(

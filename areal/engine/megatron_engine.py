@@ -118,7 +118,43 @@ def _vocab_parallel_entropy(logits: torch.Tensor, tp_group: Any) -> torch.Tensor
 # --- rotary embedding for packed streams, without host syncs ---
 
 
-def _packed_rope(t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor, config: Any):
+def _packed_positions(n_tokens: int, rows: int, cu_seqlens: torch.Tensor, device) -> torch.Tensor:
+    """Each token's position in its own segment (``[T]`` long), found on the device; all
+    of ``0..T-1`` when ``freqs`` has a row per stream token (Megatron's offset mode)."""
+    index = torch.arange(n_tokens, device=device, dtype=torch.long)
+    if rows == n_tokens:
+        return index
+    bounds = cu_seqlens.to(device=device, dtype=torch.long)
+    segment = torch.searchsorted(bounds[1:].contiguous(), index, right=True)
+    return index - bounds[segment.clamp(max=bounds.numel() - 2)]
+
+
+def _rope_at(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    positions: torch.Tensor,
+    rotary_interleaved: bool,
+    multi_latent_attention: bool,
+) -> torch.Tensor:
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    rotated = _apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        freqs[positions],
+        rotary_interleaved=rotary_interleaved,
+        multi_latent_attention=multi_latent_attention,
+    )
+    return rotated.squeeze(1)
+
+
+def _packed_rope(
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    rotary_interleaved: bool,
+    multi_latent_attention: bool,
+    compiled: bool = False,
+) -> torch.Tensor:
     """Megatron's unfused THD rotary embedding without its per-call ``tolist()``.
 
     ``t`` ``[T, H, D]``, ``freqs`` ``[S, 1, 1, d]``, ``cu_seqlens`` ``[n + 1]`` on the device.
@@ -126,24 +162,71 @@ def _packed_rope(t: torch.Tensor, freqs: torch.Tensor, cu_seqlens: torch.Tensor,
     (``freqs[i]`` when ``freqs`` covers the whole stream, as Megatron's offset mode does):
     the same values as Megatron's split-and-concatenate loop (one context-parallel rank),
     found on the device, so no layer waits for the host.
-    """
-    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    n_tokens = t.shape[0]
-    index = torch.arange(n_tokens, device=t.device, dtype=torch.long)
-    if freqs.shape[0] == n_tokens:
-        positions = index
-    else:
-        bounds = cu_seqlens.to(device=t.device, dtype=torch.long)
-        segment = torch.searchsorted(bounds[1:].contiguous(), index, right=True)
-        positions = index - bounds[segment.clamp(max=bounds.numel() - 2)]
-    rotated = _apply_rotary_pos_emb_bshd(
-        t.unsqueeze(1),
-        freqs[positions],
-        rotary_interleaved=config.rotary_interleaved,
-        multi_latent_attention=config.multi_latent_attention,
-    )
-    return rotated.squeeze(1)
+    ``compiled`` (``use_kernels``): the frequency lookup, cos/sin and rotation run as one
+    ``torch.compile`` graph instead of a dozen memory passes; if the compiler fails on this
+    platform, a warning says so and the eager maths is used from then on.
+    """
+    global _ROPE_COMPILE_FAILED
+    positions = _packed_positions(t.shape[0], freqs.shape[0], cu_seqlens, t.device)
+    args = (t, freqs, positions, rotary_interleaved, multi_latent_attention)
+    if compiled and not _ROPE_COMPILE_FAILED:
+        try:
+            return _compiled_rope_at()(*args)
+        except Exception as e:  # an Inductor lowering missing on this platform
+            _ROPE_COMPILE_FAILED = True
+            logger.warning("compiled rotary embedding failed (%s); using the eager one", e)
+    return _rope_at(*args)
+
+
+_ROPE_COMPILE_FAILED = False
+
+
+@functools.cache
+def _compiled_rope_at():
+    return torch.compile(_rope_at, dynamic=True)
+
+
+def _fusable_activation(config: Any) -> bool:
+    """Whether Megatron's fused bias-activation (``bias_activation_fusion``) covers this MLP:
+    SwiGLU, GeGLU, or GeLU with a bias; anything else raises inside Megatron."""
+    from torch.nn import functional
+
+    act = getattr(config, "activation_func", None)
+    gated = bool(getattr(config, "gated_linear_unit", False))
+    if act is functional.silu:
+        return gated
+    return act is functional.gelu and (gated or bool(getattr(config, "add_bias_linear", False)))
+
+
+def _fuse_torch_adam(optimizer: Any) -> int:
+    """Switch the torch Adam(W) inside Megatron's optimizer wrappers to its fused kernel
+    (``use_kernels``): one kernel per step instead of ~8 ``foreach`` passes. Without Apex or
+    Transformer Engine, Megatron steps a plain torch optimizer; this must run before its
+    first step, so every ``step`` state is created on the parameters' device. Returns how
+    many optimizers were switched."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    supported = set(_get_fused_kernels_supported_devices())
+    switched = 0
+    for wrapper in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(wrapper, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW) or inner.state:
+            continue
+        params = [p for group in inner.param_groups for p in group["params"]]
+        if not params or any(p.device.type not in supported or not p.is_floating_point()
+                             for p in params):  # fmt: skip
+            continue
+        inner.defaults.update(fused=True, foreach=False)
+        for group in inner.param_groups:
+            group.update(fused=True, foreach=False)
+        switched += 1
+    return switched
+
+
+# set on a model's TransformerConfig by an engine with use_kernels: its layers take the
+# compiled rotary embedding (the hook below is process-wide, the choice is per model)
+_COMPILED_ROPE = "_areal_compiled_rope"
 
 
 def _install_packed_rope() -> None:
@@ -168,7 +251,10 @@ def _install_packed_rope() -> None:
         ):
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
                             cp_group=cp_group)  # fmt: skip
-        return _packed_rope(t, freqs, cu_seqlens, config)
+        return _packed_rope(
+            t, freqs, cu_seqlens, config.rotary_interleaved, config.multi_latent_attention,
+            compiled=getattr(config, _COMPILED_ROPE, False),
+        )  # fmt: skip
 
     apply_rotary_pos_emb._areal_packed = True
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
@@ -486,6 +572,11 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         )
         if not cfg.init_from_scratch:
             self.bridge.load_weights(self.model, cfg.path)
+        if cfg.use_kernels:
+            configs = {id(m.config): m.config for c in self.model for m in c.modules()
+                       if getattr(m, "config", None) is not None}  # fmt: skip
+            for config in configs.values():
+                setattr(config, _COMPILED_ROPE, True)
         if mcfg.enable_fp32_lm_head and self._is_last_stage:
             for chunk in self.model:
                 head = getattr(_unwrap(chunk), "output_layer", None)
@@ -549,6 +640,11 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             extra["use_cpu_initialization"] = True
         if cfg.disable_dropout:
             extra.update(attention_dropout=0.0, hidden_dropout=0.0)
+        if cfg.use_kernels:
+            # Megatron's own fused SwiGLU / GeGLU and bias-dropout-add: torch.compile'd
+            # functions (megatron.core.jit), no extension needed
+            extra["bias_dropout_fusion"] = True
+            extra["bias_activation_fusion"] = _fusable_activation(self.bridge.config)
         if cfg.gradient_checkpointing and mcfg.recompute_granularity:
             extra.update(
                 recompute_granularity=mcfg.recompute_granularity,
@@ -601,6 +697,8 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             ),
             self.model,
         )
+        if cfg.use_kernels:
+            _fuse_torch_adam(self.optimizer)
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.utils import get_model_config
 
@@ -691,6 +789,7 @@ class MegatronEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
                         labels,
                         temperature=temperature,
                         chunk_size=self.config.logprobs_chunk_size,
+                        fused=self.config.use_kernels,
                     )
                 else:
                     logp, entropy = vocab_parallel_logprobs(

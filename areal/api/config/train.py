@@ -321,7 +321,8 @@ class TrainEngineConfig(ConfigNode):
     )
     use_kernels: bool = cfg_field(
         False,
-        help="Fused kernels (FSDP): torch.compile the decoder layers and the log-prob chunks.",
+        help="Fused kernels: torch.compile the log-prob chunks, and the decoder layers (FSDP) or "
+        "the rotary embedding and fused SwiGLU (Megatron).",
     )
     init_from_scratch: bool = cfg_field(False, help="Random init from the config, no weights.")
     is_critic: bool = cfg_field(False, help="Value head instead of an LM head.")

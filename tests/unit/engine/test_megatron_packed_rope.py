@@ -47,8 +47,24 @@ def test_packed_rope_matches_megatron(lengths, interleaved):
         expected = _apply_rotary_pos_emb_thd(
             t, cu, freqs, rotary_interleaved=interleaved, cp_group=_OneRank()
         )
-        got = _packed_rope(t, freqs, cu, _config(interleaved))
+        got = _packed_rope(t, freqs, cu, interleaved, False)
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lengths", [[5, 3, 8], [4, 0, 6, 2]], ids=["three", "empty-segment"])
+def test_compiled_packed_rope_matches_the_eager_one(lengths):
+    from areal.engine import megatron_engine
+    from areal.engine.megatron_engine import _packed_rope
+
+    g = torch.Generator().manual_seed(2)
+    total = sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    t = torch.randn(total, 2, 8, generator=g)
+    freqs = torch.randn(max(lengths), 1, 1, 8, generator=g)
+    eager = _packed_rope(t, freqs, cu, False, False)
+    compiled = _packed_rope(t, freqs, cu, False, False, compiled=True)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    assert not megatron_engine._ROPE_COMPILE_FAILED  # the compiled graph ran, no fallback
 
 
 def test_attention_calls_the_packed_rope_only_where_it_applies(monkeypatch):
@@ -58,7 +74,7 @@ def test_attention_calls_the_packed_rope_only_where_it_applies(monkeypatch):
 
     calls = []
     monkeypatch.setattr(attention, "apply_rotary_pos_emb", lambda *a, **k: calls.append(k))
-    monkeypatch.setattr(megatron_engine, "_packed_rope", lambda *a: "packed")
+    monkeypatch.setattr(megatron_engine, "_packed_rope", lambda *a, **k: "packed")
     megatron_engine._install_packed_rope()
     megatron_engine._install_packed_rope()  # idempotent: wraps once
     rope = attention.apply_rotary_pos_emb
