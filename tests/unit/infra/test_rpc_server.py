@@ -243,6 +243,38 @@ def test_call_round_trips_values(worker, echo):
     assert result["name"] == "first"
 
 
+def test_accepted_rpc_sockets_have_nagle_off():
+    """The listening socket is created as TCP (protocol 6, not 0): asyncio sets TCP_NODELAY
+    only on accepted sockets of that protocol, and without it every reply's body waited
+    for a delayed ACK (about 40 ms per RPC)."""
+    import socket
+
+    from areal.infra.rpc.rpc_server import _bind
+
+    sock, _ = _bind("127.0.0.1", 0)
+    assert sock.proto == socket.IPPROTO_TCP
+    seen: list[int] = []
+
+    async def main() -> None:
+        def accepted(reader, writer):
+            raw = writer.get_extra_info("socket")
+            seen.append(raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(accepted, sock=sock)
+        port = sock.getsockname()[1]
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            for _ in range(100):
+                if seen:
+                    break
+                await asyncio.sleep(0.01)
+            writer.close()
+
+    asyncio.run(main())
+    assert seen and seen[0] != 0
+
+
 def test_engine_work_runs_on_one_engine_thread(worker, echo):
     client = worker.client()
 
