@@ -15,6 +15,7 @@ __all__ = [
     "StalenessManager",
     "TrainController",
     "WorkflowExecutor",
+    "current_platform",
     "workflow_context",
 ]
 
@@ -25,6 +26,7 @@ _LAZY_EXPORTS = {
     "TrainController": "areal.infra.controller.train_controller",
     "WorkflowExecutor": "areal.infra.workflow_executor",
     "workflow_context": "areal.infra.workflow_context:",
+    "current_platform": "areal.platforms",
 }
 
 

@@ -79,15 +79,17 @@ def init_default_process_group() -> tuple[torch.device | None, bool]:
     else a private one-rank group. Returns ``(cuda device or None, whether this call
     created the group)``.
     """
+    from areal.platforms import detect_platform
+
+    platform = detect_platform()
     device = None
-    use_cuda = torch.cuda.is_available()
-    if use_cuda:
+    if platform.device_type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        torch.cuda.set_device(local_rank)
+        platform.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if dist.is_initialized():
         return device, False
-    backend = "nccl" if use_cuda else "gloo"
+    backend = platform.communication_backend
     if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
         dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
     else:  # a single process: a private one-rank group

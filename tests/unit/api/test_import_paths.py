@@ -35,6 +35,7 @@ SPEC_IMPORTS = [
     ("areal", "StalenessManager"),
     ("areal", "WorkflowExecutor"),
     ("areal", "workflow_context"),
+    ("areal", "current_platform"),
     # the worker command of every profile
     ("areal.infra.rpc.rpc_server", None),
 ]

@@ -43,6 +43,9 @@ def clean_env(monkeypatch):
     for name in ("ARENA_OPENAPI_BASE", "ARENA_LLM_BASE_URL", "ARENA_LLM_API_KEY"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("ARENA_OPENAPI_TOKEN", "tok-for-url-tests")
+    # secrets registered by earlier tests (the same sentinel as a W&B key, say) would mask
+    # the sentinel as <redacted> before the URL rules run: start from none
+    monkeypatch.setattr(areal_logging, "_secrets", set())
 
 
 def refused(call) -> str:

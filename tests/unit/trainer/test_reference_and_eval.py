@@ -306,3 +306,57 @@ def test_train_takes_the_eval_workflow_second():
     trainer = rl_trainer.PPOTrainer.__new__(rl_trainer.PPOTrainer)  # nothing started
     with pytest.raises(TypeError, match=r"workflow_kwargs=\.\.\. by keyword"):
         trainer.train("examples.toy.token_reward.TokenRewardWorkflow", {"target_start": 1})
+
+
+# --- no eval worker without an evaluation to run (DESIGN 17) -------------------------------------
+
+
+class _NoWorkers(RolloutController):
+    """Counts construction; an eval controller must not even be built in these cases."""
+
+    built = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        type(self).built += 1
+        raise AssertionError("an eval-rollout controller was created")
+
+
+@pytest.mark.parametrize(
+    ("workflow", "rows", "freq_steps"),
+    [
+        (None, [{"x": 1}], 1),  # no eval workflow: never an eval worker
+        ("examples.toy.token_reward.TokenRewardWorkflow", [], 1),  # no valid rows
+        ("examples.toy.token_reward.TokenRewardWorkflow", None, 1),
+        ("examples.toy.token_reward.TokenRewardWorkflow", [{"x": 1}], None),  # no schedule
+    ],
+    ids=["no-eval-workflow", "empty-valid-set", "no-valid-set", "no-schedule"],
+)
+def test_no_eval_controller_starts_without_an_evaluation(
+    toy_env, monkeypatch, workflow, rows, freq_steps
+):
+    config = _load(None, tmp=toy_env)
+    config.evaluator.freq_steps = freq_steps
+    config.evaluator.freq_epochs = None
+    config.evaluator.freq_secs = None
+    config.evaluator.eval_before_train = False
+    monkeypatch.setattr(rl_trainer, "RolloutController", _NoWorkers)
+    trainer = rl_trainer.PPOTrainer.__new__(rl_trainer.PPOTrainer)  # nothing started
+    trainer.config, trainer.valid_dataset, trainer.eval_rollout = config, rows, None
+    assert trainer._eval_pass(workflow, None) is None
+    assert trainer.eval_rollout is None and _NoWorkers.built == 0
+
+
+def test_an_eval_controller_is_built_when_there_is_an_evaluation(toy_env, monkeypatch):
+    # the positive case of the test above: the same setup with workflow, rows and schedule
+    from types import SimpleNamespace
+
+    config = _load(None, tmp=toy_env)
+    config.evaluator.freq_steps = 1
+    monkeypatch.setattr(rl_trainer, "RolloutController", _NoWorkers)
+    monkeypatch.setattr(_NoWorkers, "built", 0)
+    trainer = rl_trainer.PPOTrainer.__new__(rl_trainer.PPOTrainer)
+    trainer.config, trainer.valid_dataset, trainer.eval_rollout = config, [{"x": 1}], None
+    trainer.rollout, trainer.scheduler = SimpleNamespace(config=config.rollout), None
+    with pytest.raises(AssertionError, match="eval-rollout controller was created"):
+        trainer._eval_pass("examples.toy.token_reward.TokenRewardWorkflow", None)
+    assert _NoWorkers.built == 1
