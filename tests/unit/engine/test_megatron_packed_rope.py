@@ -114,3 +114,27 @@ def test_apex_less_megatron_uses_the_foreach_norm(monkeypatch):
     monkeypatch.setattr(clip_grads, "l2_norm_impl", apex)
     megatron_engine._install_foreach_l2_norm()
     assert clip_grads.l2_norm_impl is apex
+
+
+def test_fuse_torch_adam_switches_only_fresh_torch_adams():
+    from types import SimpleNamespace
+
+    from areal.engine.megatron_engine import _fuse_torch_adam
+
+    def wrapped(optimizer):
+        return SimpleNamespace(optimizer=optimizer)
+
+    fresh = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    stepped = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    stepped.param_groups[0]["params"][0].grad = torch.ones(3)
+    stepped.step()  # has state: its CPU step counters would not suit the fused kernel
+    sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    chained = SimpleNamespace(chained_optimizers=[wrapped(fresh), wrapped(stepped), wrapped(sgd)])
+    assert _fuse_torch_adam(chained) == 1
+    assert fresh.param_groups[0]["fused"] is True and fresh.param_groups[0]["foreach"] is False
+    assert stepped.param_groups[0]["fused"] is None
+    param = fresh.param_groups[0]["params"][0]
+    param.grad = torch.ones(3)
+    # the fused CPU kernel: the first step is w(1 - lr * 0.01) - lr * g / |g| = 0.999 - 0.1
+    fresh.step()
+    torch.testing.assert_close(param.detach(), torch.full((3,), 1 - 0.1 - 0.1 * 0.01 * 1.0))
