@@ -273,10 +273,14 @@ def test_two_ranks_and_the_staleness_bound(tmp_path, eta):
 
 
 def test_grpo_learns_the_token_reward(tmp_path):
-    """12 steps (about a minute): the reward of the last 3 beats the first 3 by 0.25."""
-    _run(tmp_path, "learn", "total_train_steps=12", "seed=3")
+    """16 steps (about a minute): the reward of the last 3 beats the first 3 by 0.25.
+
+    The takeoff step varies from run to run (the server's batching decides which sampling
+    draws each request gets): three local runs reached 1.0 by steps 9-11, one CI run was
+    still at 0.52 over steps 10-12, so the run is long enough for a late takeoff."""
+    _run(tmp_path, "learn", "total_train_steps=16", "seed=3")
     rewards = [s["rollout/reward_mean"] for s in _stats(tmp_path, "learn")]
-    assert len(rewards) == 12
+    assert len(rewards) == 16
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > first + 0.25, rewards
 
