@@ -24,15 +24,16 @@ import json
 import os
 import re
 import tempfile
+import time
 from typing import Any
 
-__all__ = ["GPU_CATEGORIES", "attribute_idle", "idle_profile", "step_window"]
+__all__ = ["GPU_CATEGORIES", "attribute_idle", "idle_profile", "profiled_trace", "step_window"]
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 _ADDRESS = re.compile(r" at 0x[0-9a-f]+")
 # frames that say nothing about which part of the step is running
 # (torch's own frames appear as "torch/nn/modules/module.py(1779): _call_impl")
-_PLUMBING = re.compile(r"(^|/)torch/|^<built-in method _|threading\.py|contextlib\.py")
+_PLUMBING = re.compile(r"(^|/)torch/|^<built-in method _|threading\.py|contextlib\.py|gpu_idle\.py")
 
 
 def _frame(name: str) -> str:
@@ -163,22 +164,34 @@ def attribute_idle(
     }
 
 
-def idle_profile(step, top: int = 15, save_to: str | None = None) -> dict:
-    """Profile one ``step()`` with Python stacks and attribute its GPU idle time; with
-    ``save_to``, the trace is also written there, gzipped (open it in Perfetto)."""
+def profiled_trace(step, with_stack: bool = False) -> tuple[Any, dict, float]:
+    """Run ``step()`` once under ``torch.profiler`` inside an ``idle_step`` annotation:
+    ``(profiler, Chrome trace as a dict, wall seconds)``."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
     torch.cuda.synchronize()
     activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=activities, with_stack=True) as prof, record_function("idle_step"):
+    with (
+        profile(activities=activities, with_stack=with_stack) as prof,
+        record_function("idle_step"),
+    ):
+        begin = time.perf_counter()
         step()
         torch.cuda.synchronize()
+        wall = time.perf_counter() - begin
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             trace = json.load(f)
+    return prof, trace, wall
+
+
+def idle_profile(step, top: int = 15, save_to: str | None = None) -> dict:
+    """Profile one ``step()`` with Python stacks and attribute its GPU idle time; with
+    ``save_to``, the trace is also written there, gzipped (open it in Perfetto)."""
+    _, trace, _ = profiled_trace(step, with_stack=True)
     if save_to:
         with gzip.open(save_to, "wt") as f:
             json.dump(trace, f)

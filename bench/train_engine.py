@@ -27,8 +27,9 @@ x3 for forward plus backward. Peak: --peak-tflops (989 for H100/H200 dense bf16)
   micro-batch budget unless --megatron-mb-tokens says otherwise.
 
 * megatron+kernels: the same with ``use_kernels=True``: the log-prob chunks and the packed
-  rotary embedding run compiled, and Megatron's own fused SwiGLU (``bias_activation_fusion``,
-  itself a ``torch.compile`` function) replaces the unfused activation.
+  rotary embedding run compiled, Megatron's own fused SwiGLU and bias-dropout-add
+  (``bias_activation_fusion``, ``bias_dropout_fusion``: ``torch.compile`` functions of
+  Megatron's) replace the unfused ones, and torch's AdamW runs its fused kernel.
 
 ``--profile`` adds one profiled step per engine column: kernel time by class (GEMM, flash
 attention, compiled Triton kernels, other elementwise, ...) and the top kernels.
@@ -63,6 +64,7 @@ from bench.gpu_idle import (  # noqa: E402
     GPU_CATEGORIES,
     attribute_idle,
     idle_profile,
+    profiled_trace,
     step_window,
 )
 
@@ -120,18 +122,7 @@ def profile_step(step) -> dict:
     earlier version of this bench report the Megatron step about 35 % idle when its GPU
     was busy about 97 % of the step.)
     """
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    torch.cuda.synchronize()
-    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with profile(activities=activities) as prof, record_function("idle_step"):
-        begin = time.perf_counter()
-        step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - begin
-    with tempfile.TemporaryDirectory() as tmp:
-        prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
-        trace = json.loads(Path(tmp, "trace.json").read_text())
+    prof, trace, wall = profiled_trace(step)
     idle = attribute_idle(trace, window=step_window(trace))
     kernels: dict[str, float] = {}
     for event in trace["traceEvents"]:
@@ -384,7 +375,7 @@ def main() -> None:
         help="comma-separated engine columns: fsdp (reported as 'engine'), fsdp+kernels "
         "(use_kernels: compiled decoder layers and log-prob chunks), megatron, "
         "megatron+kernels (use_kernels: compiled log-prob chunks and rotary embedding, "
-        "Megatron's fused SwiGLU)",
+        "Megatron's fused SwiGLU and bias-dropout-add, fused AdamW)",
     )
     parser.add_argument(
         "--logprobs-chunk-size", type=int, default=8192, help="engines: tokens per log-prob chunk"

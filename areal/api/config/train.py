@@ -322,7 +322,7 @@ class TrainEngineConfig(ConfigNode):
     use_kernels: bool = cfg_field(
         False,
         help="Fused kernels: torch.compile the log-prob chunks, and the decoder layers (FSDP) or "
-        "the rotary embedding and fused SwiGLU (Megatron).",
+        "the rotary embedding, SwiGLU and bias-dropout-add, with fused AdamW (Megatron).",
     )
     init_from_scratch: bool = cfg_field(False, help="Random init from the config, no weights.")
     is_critic: bool = cfg_field(False, help="Value head instead of an LM head.")
