@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from areal.api.cli_args import SchedulingSpec, SchedulingStrategy
 
@@ -48,6 +48,10 @@ class Job:
     replicas: int
     tasks: list[SchedulingSpec] = field(default_factory=list)
     scheduling_strategy: SchedulingStrategy | None = None
+    secrets: Literal["none", "rollout"] = "none"
+    """Which of the run's secrets the role's workers receive besides the RPC token:
+    ``"rollout"`` for rollout workers, ``"none"`` for trainers (see
+    :mod:`areal.infra.rpc.secret_env`)."""
 
 
 class Scheduler(abc.ABC):

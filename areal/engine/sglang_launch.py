@@ -23,7 +23,7 @@ import sys
 from typing import Any
 
 from areal.inference.auth import API_KEY_ENV
-from areal.utils.secrets import REDACTED
+from areal.utils.secrets import REDACTED, refuse_printed_form
 
 __all__ = ["main"]
 
@@ -60,6 +60,10 @@ def main() -> None:
             f"set {API_KEY_ENV} (the inference server's API key is never taken from the "
             "command line)"
         )
+    try:
+        refuse_printed_form(api_key, API_KEY_ENV)
+    except ValueError as e:
+        _usage_error(str(e))
     import sglang.srt.server_args as server_args_module
 
     parse = server_args_module.prepare_server_args

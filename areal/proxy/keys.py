@@ -1,6 +1,9 @@
 """Proxy credentials: the admin key, per-session keys, and the session-gateway pair.
 
 * The admin key manages sessions (start, export, capacity); it is never a session key.
+  A run that sets none (or leaves the reference's public default) gets a random one
+  (:func:`ensure_run_admin_keys`), which reaches proxies and workflows through their
+  environment only.
 * A session key (random, 32 bytes) authorizes generation, ``set_reward`` and
   ``end_session`` for its one session. Inline agents receive it as ``api_key``.
 * The gateway key authorizes generation only. It is derived from the admin key, so every
@@ -12,28 +15,38 @@
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hashlib
 import hmac
 import ipaddress
 import os
 import secrets
 import socket
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
-from areal.utils.secrets import reveal
+from areal.utils import logging
+from areal.utils.secrets import SecretStr, refuse_printed_form, reveal
 
 __all__ = [
     "DEFAULT_ADMIN_API_KEY",
     "candidate_tokens",
     "derive_gateway_key",
     "derive_session_token",
+    "ensure_run_admin_keys",
     "is_loopback_host",
+    "new_admin_key",
     "new_session_key",
     "same_secret",
     "validate_admin_key",
 ]
 
+logger = logging.getLogger("proxy.keys")
+
+# The reference's documented default admin key. It is public: a proxy refuses it off
+# loopback, and a run that leaves it gets a random key instead (ensure_run_admin_keys).
 DEFAULT_ADMIN_API_KEY = "areal-admin-key"
+ADMIN_KEY_FIELD = "admin_api_key"
 _GATEWAY_LABEL = b"areal-proxy/gateway-key/v1"
 _TOKEN_LABEL = b"areal-proxy/session-token/v1:"
 
@@ -57,6 +70,49 @@ def derive_session_token(admin_key: str, session_id: str) -> str:
 
 def new_session_key() -> str:
     return "sk-" + secrets.token_urlsafe(32)
+
+
+def new_admin_key() -> SecretStr:
+    """A random admin key (32 bytes), registered for redaction in this process's logs."""
+    key = SecretStr("ak-" + secrets.token_urlsafe(32))
+    logging.register_secret(key)
+    return key
+
+
+def _admin_key_nodes(node: Any, path: str) -> Iterator[tuple[Any, str]]:
+    """``(config node, dotted path)`` of every node with a secret ``admin_api_key`` field."""
+    if not dataclasses.is_dataclass(node) or isinstance(node, type):
+        return
+    for f in dataclasses.fields(node):
+        dotted = f"{path}.{f.name}" if path else f.name
+        if f.name == ADMIN_KEY_FIELD and f.metadata.get("secret"):
+            yield node, dotted
+        else:
+            yield from _admin_key_nodes(getattr(node, f.name, None), dotted)
+
+
+def ensure_run_admin_keys(config: Any) -> list[str]:
+    """Give every unset admin key of ``config`` a random per-run value; their paths.
+
+    An admin key that is empty or the reference's public default would let anyone who can
+    reach a proxy manage its sessions, so the run gets a fresh random key instead (like the
+    RPC token), set in the config before any worker starts: the scheduler exports config
+    secrets to the workers' environment, and requests name them, never carry them. A
+    key the user set is kept as given.
+    """
+    filled = []
+    for node, dotted in _admin_key_nodes(config, ""):
+        current = reveal(getattr(node, ADMIN_KEY_FIELD)).strip()
+        if current and current != DEFAULT_ADMIN_API_KEY:
+            continue
+        setattr(node, ADMIN_KEY_FIELD, new_admin_key())
+        filled.append(dotted)
+        logger.info(
+            "%s is %s: this run uses a random admin key of its own",
+            dotted,
+            "the public default" if current else "unset",
+        )
+    return filled
 
 
 def same_secret(a: str | None, b: str | None) -> bool:
@@ -92,8 +148,9 @@ def is_loopback_host(host: str) -> bool:
 
 
 def validate_admin_key(admin_key: str | None, host: str) -> str:
-    """Refuse an empty admin key, and the default one off loopback (unless allowed)."""
-    key = reveal(admin_key).strip()
+    """Refuse an empty admin key, a printed (redacted) one, and the public default one off
+    loopback (unless allowed)."""
+    key = refuse_printed_form(admin_key, "the proxy admin key").strip()
     if not key:
         raise ValueError(
             "the proxy admin key is empty; set rollout.agent.admin_api_key (for example from "

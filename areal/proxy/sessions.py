@@ -12,11 +12,18 @@ That matters because a gateway session token is derived from the id alone: a reu
 would let an old token reach a new session. An ended session refuses generation and
 rewards (410); an exported or swept one is remembered for ``session_timeout`` seconds so
 that its key and token keep getting 410 rather than reaching anything else.
+
+A caller of ``start_session`` may choose the session's key, but only a fresh one: never
+the admin key, the gateway key, a secret's printed form, or a key this proxy has bound to
+any session before (live, ended, exported or swept; a digest of every key is kept for
+the proxy's lifetime). Whoever still holds an old key could otherwise reach the new
+session and write into its trajectory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import re
 import secrets
@@ -25,7 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from areal.proxy.interaction import InteractionCache, PrefixMatcher
-from areal.proxy.keys import derive_session_token, new_session_key, same_secret
+from areal.proxy.keys import (
+    derive_gateway_key,
+    derive_session_token,
+    new_session_key,
+    same_secret,
+)
+from areal.utils.secrets import REDACTED, reveal
 
 __all__ = ["ProxyAuthError", "Session", "SessionStore", "new_run_nonce"]
 
@@ -34,6 +47,10 @@ SWEEP_INTERVAL = 60.0
 # id of at most 128 leaves room for the "-<n>.<nonce>" suffix.
 TASK_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}")
 NONCE_PATTERN = re.compile(r"[A-Za-z0-9]{1,32}")
+
+
+def _digest(key: str) -> bytes:
+    return hashlib.sha256(reveal(key).encode()).digest()
 
 
 def new_run_nonce() -> str:
@@ -115,6 +132,7 @@ class SessionStore:
         self._sessions: dict[str, Session] = {}
         self._key_to_session: dict[str, str] = {}
         self._gone: dict[str, float] = {}  # removed session id -> when
+        self._used_keys: set[bytes] = set()  # SHA-256 of every key ever bound here
         self._serial = itertools.count()
         self._last_sweep = time.monotonic()
 
@@ -141,12 +159,8 @@ class SessionStore:
             raise ProxyAuthError(400, "metadata must be an object or null")
         if self.capacity <= 0:
             raise ProxyAuthError(429, "no session capacity; the controller has not admitted one")
-        if api_key is not None and same_secret(api_key, self.admin_key):
-            raise ProxyAuthError(400, "the admin key cannot be a session key")
         if api_key is not None:
-            bound = self._key_to_session.get(api_key)
-            if bound is not None and bound in self._sessions and not self._sessions[bound].finished:
-                raise ProxyAuthError(409, "this api_key is bound to an unfinished session")
+            self._check_fresh_key(api_key)
         key = api_key or new_session_key()
         session_id = f"{task_id}-{next(self._serial)}.{self.run_nonce}"
         self.capacity -= 1
@@ -159,7 +173,23 @@ class SessionStore:
         )
         self._sessions[session_id] = session
         self._key_to_session[key] = session_id
+        self._used_keys.add(_digest(key))
         return session
+
+    def _check_fresh_key(self, api_key: str) -> None:
+        """Refuse a caller-chosen session key that is, or was, another credential."""
+        if reveal(api_key).strip() == REDACTED:
+            raise ProxyAuthError(400, f"api_key is {REDACTED!r}, the printed form of a secret")
+        if same_secret(api_key, self.admin_key):
+            raise ProxyAuthError(400, "the admin key cannot be a session key")
+        if same_secret(api_key, derive_gateway_key(self.admin_key)):
+            raise ProxyAuthError(400, "the gateway key cannot be a session key")
+        if _digest(api_key) in self._used_keys:
+            raise ProxyAuthError(
+                409,
+                "this api_key was already bound to a session of this proxy; session keys are "
+                "never reused (omit api_key to get a fresh one)",
+            )
 
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)

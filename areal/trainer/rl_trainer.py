@@ -46,6 +46,7 @@ from areal.api.workflow_api import RolloutWorkflow
 from areal.engine.weight_sync import push_weights
 from areal.infra.controller.rollout_controller import RolloutController
 from areal.infra.controller.train_controller import TrainController
+from areal.proxy.keys import ensure_run_admin_keys
 from areal.trainer.dataloader import StatefulDataLoader
 from areal.utils import logging, seeding, stats_tracker
 from areal.utils.dynamic_import import import_from_string
@@ -111,6 +112,9 @@ class PPOTrainer:
         ]
         seeding.set_random_seed(cfg.seed, f"trainer{os.environ.get('RANK', '0')}")
         self.tokenizer = _load_tokenizer(cfg.tokenizer_path or cfg.actor.path)
+        # unset admin keys get random per-run values before the scheduler exports the
+        # config's secrets to the workers' environment
+        ensure_run_admin_keys(cfg)
         self.scheduler = _build_scheduler(cfg)
 
         self.dataloader = StatefulDataLoader(

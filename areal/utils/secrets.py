@@ -6,7 +6,15 @@ import re
 
 import yaml
 
-__all__ = ["REDACTED", "REDACTED_PART", "SecretStr", "redact_url", "redact_urls", "reveal"]
+__all__ = [
+    "REDACTED",
+    "REDACTED_PART",
+    "SecretStr",
+    "redact_url",
+    "redact_urls",
+    "refuse_printed_form",
+    "reveal",
+]
 
 REDACTED = "<redacted>"
 REDACTED_PART = "***"  # stands for the secret part of a URL, so the rest stays readable
@@ -56,6 +64,22 @@ def reveal(value: str | None) -> str:
     if isinstance(value, SecretStr):
         return value.reveal()
     return str(value)
+
+
+def refuse_printed_form(value: str | None, what: str) -> str:
+    """The plain ``value``, or ``ValueError`` when it is a secret's printed form.
+
+    ``<redacted>`` is what a secret looks like in a saved config, a log or a ``repr``; a
+    key equal to it is public, so wherever a key is accepted it is refused, naming
+    ``what`` (the flag, variable or field the key came from).
+    """
+    plain = reveal(value)
+    if plain.strip() == REDACTED:
+        raise ValueError(
+            f"{what} is {REDACTED!r}, the printed form of a secret (copied from a saved "
+            "config or a log?); set the real value"
+        )
+    return plain
 
 
 def _redact_query(query: str) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import httpx
 
-from areal.utils.secrets import SecretStr, redact_url, reveal
+from areal.utils.secrets import SecretStr, redact_url, refuse_printed_form, reveal
 from examples.swe.arena_dataset import DatasetPages, dataset_total, plan_pages
 from examples.swe.arena_http import (
     ArenaRequest,
@@ -85,6 +85,7 @@ def resolve_arena_credentials(base_url: str = "", api_token: str = "") -> tuple[
     """
     base = (base_url or os.environ.get("ARENA_OPENAPI_BASE", "")).strip()
     token = (reveal(api_token) or os.environ.get("ARENA_OPENAPI_TOKEN", "")).strip()
+    refuse_printed_form(token, "the Arena token (ARENA_OPENAPI_TOKEN)")
     if not base:
         raise ValueError(
             "Arena base URL is not set: set econfig.arena_base_url or ARENA_OPENAPI_BASE"
@@ -167,6 +168,7 @@ class ArenaOpenAPIClient:
         self._llm_api_key = SecretStr(  # stripped, like the token
             reveal(llm_api_key) or os.environ.get("ARENA_LLM_API_KEY", "")
         )
+        refuse_printed_form(self._llm_api_key, "the Arena LLM key (ARENA_LLM_API_KEY)")
         check_http_url(base, "Arena base URL", "econfig.arena_base_url (or ARENA_OPENAPI_BASE)")
         override = os.environ.get("ARENA_LLM_BASE_URL", "").strip().rstrip("/")
         if override:

@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from areal.utils.secrets import SecretStr, redact_url
+from areal.utils.secrets import SecretStr, redact_url, refuse_printed_form
 from areal.utils.table import render_table
 from examples.swe.arena_client import ArenaAPIError, infer_llm_protocol_from_harness
 from examples.swe.arena_config import load_arena_stream_configs
@@ -95,6 +95,10 @@ class PreflightHTTP:
             token = os.environ.get("ARENA_OPENAPI_TOKEN", "").strip()
             if not token:
                 raise ArenaAPIError("ARENA_OPENAPI_TOKEN is required for Arena preflight")
+            try:
+                refuse_printed_form(token, "ARENA_OPENAPI_TOKEN")
+            except ValueError as e:
+                raise ArenaAPIError(str(e)) from None
             self._http = ArenaTransport(
                 self.api_base,
                 SecretStr(token),

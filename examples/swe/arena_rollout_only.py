@@ -33,6 +33,7 @@ import httpx
 from areal.api.cli_args import load_expr_config
 from areal.api.config.train import parse_backend
 from areal.engine.sglang_remote import RemoteSGLangEngine
+from areal.proxy.keys import ensure_run_admin_keys
 from areal.trainer.rl_trainer import _server_args  # the trainer's rollout server arguments
 from areal.utils import logging
 from areal.utils.secrets import reveal
@@ -339,6 +340,7 @@ def main(argv: Sequence[str]) -> int:
     args, rest = parse_args(argv)
     config, _ = load_expr_config(rest, SWEPPOConfig)
     _check_supported(config)
+    ensure_run_admin_keys(config)  # an unset admin key: a random one for this run
     with local_arena_if_requested(config):
         econfig = config.econfig
         rows, stream = select_rows(econfig, args.num_rollouts, config.seed)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from omegaconf import MISSING
 
 from areal.utils import logging
-from areal.utils.secrets import SecretStr
+from areal.utils.secrets import REDACTED, SecretStr
 
 __all__ = [
     "MISSING",
@@ -18,10 +20,28 @@ __all__ = [
     "ConfigNode",
     "FieldError",
     "cfg_field",
+    "plain_secrets",
     "secret_fields",
 ]
 
 logger = logging.getLogger("config")
+
+# While set, config nodes keep secret fields as plain ``str``. OmegaConf stores a string
+# field as ``str(value)``, which for a SecretStr is its printed form ``<redacted>``: a
+# schema built from wrapped defaults would replace every non-empty secret default with it.
+_PLAIN_SECRETS: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "areal_plain_secrets", default=False
+)
+
+
+@contextlib.contextmanager
+def plain_secrets() -> Iterator[None]:
+    """Build config nodes whose secret fields stay plain ``str`` (for OmegaConf schemas)."""
+    token = _PLAIN_SECRETS.set(True)
+    try:
+        yield
+    finally:
+        _PLAIN_SECRETS.reset(token)
 
 
 class ConfigError(ValueError):
@@ -96,8 +116,16 @@ class ConfigNode:
             if choices is not None and value not in choices:
                 shown = ", ".join(repr(c) for c in choices)
                 raise FieldError(name, f"{value!r} is not one of {shown}")
-            if secret and isinstance(value, str) and not isinstance(value, SecretStr):
-                setattr(self, name, SecretStr(value))
+            if secret and isinstance(value, str):
+                if value.strip() == REDACTED:
+                    raise FieldError(
+                        name,
+                        f"is the redacted placeholder {REDACTED!r}, the printed form of a "
+                        "secret (e.g. copied from a saved config.yaml or a log); set the real "
+                        "value, or leave it unset where an unset key is generated per run",
+                    )
+                if not isinstance(value, SecretStr) and not _PLAIN_SECRETS.get():
+                    setattr(self, name, SecretStr(value))
         self.validate()
 
     def validate(self) -> None:

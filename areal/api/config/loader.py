@@ -34,7 +34,7 @@ from omegaconf.errors import (
     OmegaConfBaseException,
 )
 
-from areal.api.config.fields import ConfigError, FieldError
+from areal.api.config.fields import ConfigError, FieldError, plain_secrets
 from areal.utils import logging, name_resolve
 from areal.utils.config_utils import redact_sensitive_config
 from areal.utils.paths import get_log_path, make_private_dirs
@@ -258,7 +258,10 @@ def to_structured_cfg(cfg: DictConfig, config_cls: type) -> DictConfig:
     _check_legacy_keys(data)
     check_known_keys(data, config_cls)
     try:
-        return OmegaConf.merge(OmegaConf.structured(config_cls), cfg)  # type: ignore[return-value]
+        # OmegaConf builds nodes from class defaults (here and for list items while
+        # merging): secret defaults must enter it as their values, not their printed form
+        with plain_secrets():
+            return OmegaConf.merge(OmegaConf.structured(config_cls), cfg)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "<root>"
         raise ConfigError(f"config key '{key}': {_omegaconf_message(e)}") from e

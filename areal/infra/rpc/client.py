@@ -13,8 +13,9 @@ mentions "timeout", with exponential backoff (each attempt signed afresh);
 
 No request carries a secret in clear (DESIGN 15): a :class:`~areal.utils.secrets.SecretStr`
 in a config or argument goes as the name of the worker environment variable that holds
-it (``secret_env``, exported by the scheduler; :mod:`areal.infra.rpc.secret_env`), and
-one the workers were not given is refused before anything is sent.
+it (``secret_env``, exported by the scheduler; :mod:`areal.infra.rpc.secret_env`), one of
+the run's secrets that this worker's role does not use (``withheld_secrets``) is sent
+redacted, and any other is refused before anything is sent.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import httpx
@@ -95,8 +96,10 @@ class RPCClient:
         worker_id: str | None = None,
         liveness_check: Callable[[], None] | None = None,
         secret_env: Mapping[str, str] | None = None,
+        withheld_secrets: Iterable[str] = (),
     ):
-        """``secret_env``: ``{variable name: secret}`` the worker has in its environment."""
+        """``secret_env``: ``{variable name: secret}`` the worker has in its environment;
+        ``withheld_secrets``: the run's secrets it is not given (they arrive empty)."""
         self.address = address
         self.worker_id = worker_id or address
         self.base_url = f"http://{address}"
@@ -108,7 +111,10 @@ class RPCClient:
             )
         self._auth = RequestSigner(token)
         self._liveness_check = liveness_check
-        self._secret_refs = secret_refs(secret_env or {})
+        self._secret_refs = {
+            **{reveal(s): "" for s in withheld_secrets if reveal(s)},
+            **secret_refs(secret_env or {}),
+        }
         self._client = self._new_client(httpx.Client)
 
     def _new_client(self, cls: type) -> Any:

@@ -62,6 +62,7 @@ __all__ = [
 
 TYPE_KEY = "__areal_type__"
 # how secrets are encoded: in clear, redacted, or as {secret value: worker variable name}
+# (a name "" marks a secret of the run that this receiver is not given: sent redacted)
 _Secrets = bool | Mapping[str, str]
 # JSON parsers (orjson among them) do not keep integers beyond 64 bits exact.
 _INT_MIN, _INT_MAX = -(2**63), 2**64 - 1
@@ -85,8 +86,9 @@ def serialize_value(
     empty. With ``secret_env`` (secret value -> name of the worker environment variable
     holding it, see :func:`~areal.infra.rpc.secret_env.secret_refs`) none is sent in
     clear either: each goes as that name and is rebuilt from the receiver's environment,
-    and a non-empty secret missing from the mapping raises :class:`SerializationError`
-    (it could not reach the receiver).
+    one mapped to ``""`` (withheld from this receiver) goes redacted, and a non-empty
+    secret missing from the mapping raises :class:`SerializationError` (it could not
+    reach the receiver).
     """
     secrets: _Secrets = secret_env if secret_env is not None else reveal_secrets
     return _encode(value, "value", secrets)
@@ -106,6 +108,8 @@ def _encode_secret(value: SecretStr, path: str, secrets: _Secrets) -> dict[str, 
     if secrets is False:
         return _envelope("secret", value=None)
     name = secrets.get(value.reveal())
+    if name == "":  # the run's secret, withheld from this receiver (it does not use it)
+        return _envelope("secret", value=None)
     if name is None:
         raise SerializationError(
             f"cannot send the secret at {path}: workers receive secrets only through their "

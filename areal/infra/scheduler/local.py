@@ -33,6 +33,7 @@ from areal.infra.rpc.processes import (
     process_alive,
     read_log_tail,
 )
+from areal.infra.rpc.secret_env import public_environ
 from areal.infra.scheduler.exceptions import (
     GPUAllocationError,
     WorkerCreationError,
@@ -108,7 +109,7 @@ class LocalScheduler(RPCWorkerScheduler):
             for index, spec in enumerate(specs):
                 gpus = fixed_gpus if fixed_gpus is not None else self._allocate_gpus(spec, role)
                 cmd = self._worker_command(spec, role, index)
-                env = self._worker_env(spec, gpus)
+                env = self._worker_env(spec, gpus, role)
                 worker_id = f"{role}/{index}"
                 logger.info(
                     "Starting %s%s: %s",
@@ -141,8 +142,11 @@ class LocalScheduler(RPCWorkerScheduler):
             cmd += ["--host", "127.0.0.1"]
         return [*cmd, "--port", "0", *self._identity_flags(role, index)]
 
-    def _worker_env(self, spec: SchedulingSpec, gpus: list[str] | None) -> dict[str, str]:
-        env = dict(os.environ)
+    def _worker_env(
+        self, spec: SchedulingSpec, gpus: list[str] | None, role: str
+    ) -> dict[str, str]:
+        # the controller's environment minus its secrets; the role's own are added below
+        env = public_environ()
         env.pop("SLURM_PROCID", None)  # would override --worker-index
         env["PYTHONPATH"] = controller_python_path()
         env["PYTHONUNBUFFERED"] = "1"
@@ -154,7 +158,7 @@ class LocalScheduler(RPCWorkerScheduler):
             env[str(key)] = _expand_vars(str(value), env)
         if gpus is not None:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
-        env.update(self.worker_secrets())
+        env.update(self.worker_secrets(role))
         return env
 
     # --- GPUs ---

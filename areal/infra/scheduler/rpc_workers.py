@@ -20,9 +20,11 @@ The experiment's RPC token (``$AREAL_RPC_TOKEN`` if the controller has one, othe
 fresh random one) is held as a :class:`~areal.utils.secrets.SecretStr`; how it reaches
 the workers is the backend's business, but never through a command line, and it never
 travels in a request: requests and answers are signed with it instead. The secrets of
-the experiment config (the proxy admin key...) take the same road
-(:meth:`RPCWorkerScheduler.worker_secrets`); requests name them, never carry them
-(:mod:`areal.infra.rpc.secret_env`).
+the experiment config (the proxy admin key...) take the same road, each only to the roles
+that use it (:meth:`RPCWorkerScheduler.worker_secrets`, ``Job.secrets``); requests name
+them, never carry them (:mod:`areal.infra.rpc.secret_env`). A forked worker gets its
+secrets from a mode-0600 file in the trial's private ``.secrets`` directory, removed at
+teardown.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import abc
 import atexit
 import concurrent.futures
+import contextlib
 import os
 import secrets
 import shlex
@@ -38,6 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from areal.api.cli_args import SchedulingSpec
@@ -45,7 +49,14 @@ from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Scheduler, Worker
 from areal.inference.auth import API_KEY_ENV
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.processes import LoggedProcess
-from areal.infra.rpc.secret_env import config_secrets
+from areal.infra.rpc.secret_env import (
+    ROLLOUT_CREDENTIAL_VARS,
+    SECRETS_FILE_ENV,
+    SecretScope,
+    config_secrets,
+    scoped_config_secrets,
+    secrets_file_text,
+)
 from areal.infra.rpc.serialization import SerializationError
 from areal.infra.scheduler.exceptions import (
     RPCAuthenticationError,
@@ -59,7 +70,7 @@ from areal.infra.scheduler.exceptions import (
 from areal.utils import logging, name_resolve, names
 from areal.utils.config_utils import redact_sensitive_config
 from areal.utils.paths import get_log_path
-from areal.utils.secrets import SecretStr
+from areal.utils.secrets import SecretStr, refuse_printed_form
 
 __all__ = [
     "FORK_HEALTH_TIMEOUT",
@@ -105,6 +116,7 @@ class WorkerRole:
     spec: SchedulingSpec
     target: str | None = None
     ready: list[Worker] | None = None
+    secrets: SecretScope = "none"
 
 
 class RPCWorkerScheduler(Scheduler):
@@ -146,19 +158,20 @@ class RPCWorkerScheduler(Scheduler):
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
         self.destroy_timeout = destroy_timeout
-        self._token = SecretStr(os.environ.get(RPC_TOKEN_ENV) or secrets.token_urlsafe(32))
+        given = refuse_printed_form(os.environ.get(RPC_TOKEN_ENV), f"${RPC_TOKEN_ENV}")
+        self._token = SecretStr(given or secrets.token_urlsafe(32))
         logging.register_secret(self._token)
         # one inference-server API key per run: every rollout worker's servers and proxies
         # share it (the backend passes it like the token); controller-side probes read it
         # from :attr:`inference_api_key`
-        self._inference_key = SecretStr(
-            os.environ.get(API_KEY_ENV, "").strip() or secrets.token_urlsafe(32)
-        )
+        given = refuse_printed_form(os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}")
+        self._inference_key = SecretStr(given.strip() or secrets.token_urlsafe(32))
         logging.register_secret(self._inference_key)
-        # every secret of the config, exported to each worker (DESIGN 15: never in a body)
+        # every secret of the config, exported to the roles that use it (never in a body)
         self._config_secrets = config_secrets(exp_config)
         for secret in self._config_secrets.values():
             logging.register_secret(secret)
+        self._scopes: dict[str, SecretScope] = {}  # role -> the secrets its workers get
         self._roles: dict[str, WorkerRole] = {}
         self._handles: dict[str, WorkerHandle] = {}
         self._lock = threading.RLock()
@@ -171,6 +184,7 @@ class RPCWorkerScheduler(Scheduler):
         except name_resolve.UnsafeNameRecordError as e:
             raise WorkerConfigurationError(str(e)) from None
         self.log_dir = get_log_path(self.fileroot, self.experiment_name, self.trial_name)
+        self._secrets_dir = self.log_dir / ".secrets"
         _teardown.register(self)
 
     # --- what a backend provides ---
@@ -224,14 +238,43 @@ class RPCWorkerScheduler(Scheduler):
         """The run's inference-server API key (``$AREAL_INFERENCE_API_KEY`` on workers)."""
         return self._inference_key
 
-    def worker_secrets(self) -> dict[str, str]:
-        """Variables every worker gets through a private channel: the RPC token, the
-        inference API key and the config's secrets (``AREAL_SECRET_*``)."""
-        return {
-            RPC_TOKEN_ENV: self._token.reveal(),
-            API_KEY_ENV: self._inference_key.reveal(),
-            **{name: secret.reveal() for name, secret in self._config_secrets.items()},
-        }
+    def secret_scope(self, role: str) -> SecretScope:
+        """Which secrets ``role``'s workers get (``Job.secrets`` of its job)."""
+        with self._lock:
+            return self._scopes.get(role, "none")
+
+    def worker_secrets(self, role: str) -> dict[str, str]:
+        """Variables ``role``'s workers get through a private channel: the RPC token, and
+        for rollout workers the inference API key, the rollout and Arena secrets of the
+        config (``AREAL_SECRET_*``) and the Arena credentials of this environment."""
+        found = {RPC_TOKEN_ENV: self._token.reveal()}
+        scope = self.secret_scope(role)
+        if scope == "rollout":
+            found[API_KEY_ENV] = self._inference_key.reveal()
+            found.update(
+                (name, os.environ[name]) for name in ROLLOUT_CREDENTIAL_VARS if os.environ.get(name)
+            )
+        for name, secret in scoped_config_secrets(self._config_secrets, scope).items():
+            found[name] = secret.reveal()
+        return found
+
+    def _write_secrets(self, role: str, secrets: dict[str, str]) -> Path:
+        """A mode-0600 file of ``export`` lines in the trial's private secrets directory."""
+        self._secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.chmod(self._secrets_dir, 0o700)
+        path = self._secrets_dir / f"{role}.env"
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets_file_text(secrets))
+        return path
+
+    def _remove_secrets(self) -> None:
+        if self._secrets_dir.is_dir():
+            for path in self._secrets_dir.glob("*.env"):
+                path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # something else was put there
+                self._secrets_dir.rmdir()
 
     @property
     def rpc_token(self) -> SecretStr:
@@ -252,12 +295,20 @@ class RPCWorkerScheduler(Scheduler):
         if job.replicas < 1:
             raise WorkerCreationError(f"role {role!r}: replicas must be >= 1 (got {job.replicas})")
         specs = self._specs(job)
+        with self._lock:
+            self._scopes[role] = job.secrets
         strategy = job.scheduling_strategy
         if strategy is not None and strategy.type == "colocation":
             target = self._role(strategy.target)
             if job.replicas == len(target.worker_ids):
                 if strategy.fork:
                     return self.fork_workers(role, target.name, module_of(specs[0].cmd))
+                if job.secrets != target.secrets:
+                    raise WorkerCreationError(
+                        f"role {role!r} would share the worker processes of {target.name!r}, "
+                        f"which do not hold the {job.secrets!r} secrets it uses; colocate it "
+                        "with fork: true (its own processes beside them)"
+                    )
                 return self._alias(role, target)
             # a different replica count: new processes on the target's devices or nodes
             return self._start_role(role, specs, colocate_with=target)
@@ -290,6 +341,7 @@ class RPCWorkerScheduler(Scheduler):
         return role
 
     def _register_role(self, r: WorkerRole, handles: list[WorkerHandle]) -> None:
+        r.secrets = self.secret_scope(r.name)
         with self._lock:
             for h in handles:
                 self._handles[h.id] = h
@@ -378,12 +430,14 @@ class RPCWorkerScheduler(Scheduler):
         return True
 
     def _make_client(self, h: WorkerHandle, address: str) -> RPCClient:
+        given = scoped_config_secrets(self._config_secrets, self.secret_scope(h.role))
         return RPCClient(
             address,
             token=self._token,
             worker_id=h.id,
             liveness_check=lambda: self._check_alive(h),
-            secret_env=self._config_secrets,
+            secret_env=given,
+            withheld_secrets=[v for k, v in self._config_secrets.items() if k not in given],
         )
 
     def _finish_worker(self, h: WorkerHandle, extra_ports: int) -> Worker:
@@ -428,12 +482,14 @@ class RPCWorkerScheduler(Scheduler):
         python = self._fork_interpreter(target)
         forked: list[WorkerHandle] = []
         try:
+            # the child's secrets come from a private file, not from its parent's environment
+            secrets_file = str(self._write_secrets(role, self.worker_secrets(role)))
             for index, tw in enumerate(target_workers):
                 parent = self._client_of(tw.id)
                 port = parent.alloc_ports(1)[0]
                 raw_cmd = [python, "-m", module, "--host", tw.ip, "--port", str(port)]
                 raw_cmd += self._identity_flags(role, index)
-                info = parent.fork(role, index, raw_cmd)
+                info = parent.fork(role, index, raw_cmd, env={SECRETS_FILE_ENV: secrets_file})
                 h = WorkerHandle(
                     f"{role}/{index}", role, index, pid=int(info["pid"]), parent_id=tw.id
                 )
@@ -581,6 +637,7 @@ class RPCWorkerScheduler(Scheduler):
             self._delete_role(r)
         if role is None:
             _teardown.unregister(self)
+            self._remove_secrets()
             self._after_teardown()
 
     def _delete_role(self, r: WorkerRole) -> None:
@@ -689,6 +746,7 @@ class _Teardown:
             self._live.clear()
         for scheduler in live:
             scheduler._emergency_stop()
+            scheduler._remove_secrets()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         self.stop_all()

@@ -61,7 +61,6 @@ from areal.infra.scheduler.slurm_batch import (
     SlurmResources,
     batch_script,
     plan_resources,
-    secrets_file_text,
     split_env,
     worker_env,
 )
@@ -163,7 +162,6 @@ class SlurmScheduler(RPCWorkerScheduler):
         self.status_ttl = status_ttl
         self._jobs: dict[str, _SlurmJob] = {}
         self._status_lock = threading.Lock()
-        self._secrets_dir = self.log_dir / ".secrets"
         for what, path in (
             ("cluster.fileroot", self.fileroot),
             ("cluster.name_resolve.nfs_record_root", self._name_resolve.nfs_record_root),
@@ -196,7 +194,7 @@ class SlurmScheduler(RPCWorkerScheduler):
             enable_offload=self.enable_offload,
             user=get_user(),
         )
-        secrets = {**self.worker_secrets(), **split_env(env, spec.container_type)[2]}
+        secrets = {**self.worker_secrets(role), **split_env(env, spec.container_type)[2]}
         secrets_file = self._write_secrets(role, secrets)
         job = BatchJob(
             role=role,
@@ -229,16 +227,6 @@ class SlurmScheduler(RPCWorkerScheduler):
         r = WorkerRole(role, "process", [h.id for h in handles], spec)
         self._register_role(r, handles)
         return r.worker_ids
-
-    def _write_secrets(self, role: str, secrets: dict[str, str]) -> Path:
-        """A mode-0600 file of ``export`` lines, readable by the submitting user only."""
-        self._secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        path = self._secrets_dir / f"{role}.env"
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets_file_text(secrets))
-        return path
 
     def _submit(self, role: str, script: Path, resources: SlurmResources) -> str:
         result = self._slurm("sbatch", "--parsable", str(script), check=False, timeout=60)
@@ -398,9 +386,6 @@ class SlurmScheduler(RPCWorkerScheduler):
             if self._jobs.get(record.role) is record:
                 del self._jobs[record.role]
 
-    def _after_teardown(self) -> None:
-        _remove_secrets(self._secrets_dir)
-
     def _emergency_stop(self) -> None:
         """Cancel every job at once (controller exit or signal); no RPCs, no waiting."""
         with self._lock:
@@ -411,7 +396,7 @@ class SlurmScheduler(RPCWorkerScheduler):
         if job_ids:
             with contextlib.suppress(SchedulerError):
                 self._slurm("scancel", *job_ids, check=False)
-        _remove_secrets(self._secrets_dir)
+        self._remove_secrets()
 
     # --- Slurm commands ---
 
@@ -511,14 +496,6 @@ def _describe(r: SlurmResources) -> str:
     if r.gres_gpus_per_node:
         text += f", {r.gres_gpus_per_node} GPU(s) per node"
     return text
-
-
-def _remove_secrets(directory: Path) -> None:
-    if directory.is_dir():
-        for path in directory.glob("*.env"):
-            path.unlink(missing_ok=True)
-        with contextlib.suppress(OSError):  # something else was put there
-            directory.rmdir()
 
 
 _LOCAL_FILESYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "overlay"})

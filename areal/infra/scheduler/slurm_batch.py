@@ -34,6 +34,7 @@ from pathlib import Path
 
 from areal.api.cli_args import SchedulingSpec
 from areal.api.config.scheduling import RPC_SERVER_CMD
+from areal.infra.rpc.secret_env import secrets_file_text
 from areal.infra.scheduler.exceptions import WorkerConfigurationError
 from areal.utils.secrets import SecretStr
 
@@ -457,8 +458,3 @@ def _wrap(words: list[str], width: int = 88) -> list[str]:
     if line:
         out.append(line)
     return out
-
-
-def secrets_file_text(secrets: Mapping[str, str]) -> str:
-    """Shell ``export`` lines for the secrets file (literal values, no expansion)."""
-    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in secrets.items())

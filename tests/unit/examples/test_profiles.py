@@ -297,7 +297,7 @@ def test_saved_config_redacts_secrets(profile_env):
     assert SECRET_SENTINEL not in text
     assert payload not in text
     assert saved["rollout"]["agent"]["admin_api_key"] == "<redacted>"
-    assert saved["rollout"]["admin_api_key"] == "<redacted>"
+    assert saved["rollout"]["admin_api_key"] == ""  # unset: generated per run, never saved
     assert saved["stats_logger"]["wandb"]["wandb_api_key"] == "<redacted>"
     assert saved["econfig"]["arena_streams_yaml_b64"] == "<redacted>"
     assert saved["econfig"]["arena_task_envs"]["GITHUB_TOKEN"] == "<redacted>"

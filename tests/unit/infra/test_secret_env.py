@@ -137,7 +137,7 @@ def test_the_admin_key_reaches_the_worker_but_no_request_body(scheduler, monkeyp
     monkeypatch.setattr(httpx.Client, "send", spy_send)
     monkeypatch.setattr(httpx.AsyncClient, "send", spy_async_send)
 
-    scheduler.create_workers(Job("rollout", 1, [SchedulingSpec(port_count=1)]))
+    scheduler.create_workers(Job("rollout", 1, [SchedulingSpec(port_count=1)], secrets="rollout"))
     (worker,) = scheduler.get_workers("rollout", timeout=60.0)
     # what the rollout controller sends: a copy of the experiment's rollout config
     worker_config = dataclasses.replace(scheduler.config.rollout, queue_size=10**6)

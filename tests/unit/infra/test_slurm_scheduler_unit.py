@@ -22,6 +22,7 @@ from areal.api.cli_args import (
     BaseExperimentConfig,
     ClusterSpecConfig,
     NameResolveConfig,
+    PPOConfig,
     SchedulingSpec,
 )
 from areal.api.scheduler_api import RPC_TOKEN_ENV, Job
@@ -476,13 +477,24 @@ def test_missing_slurm_clients_are_named(tmp_path, monkeypatch):
 
 
 def test_config_secrets_reach_workers_through_the_secrets_file_only(fake_slurm, tmp_path):
-    config = make_config(tmp_path)
+    base = make_config(tmp_path)
+    config = PPOConfig(
+        experiment_name=base.experiment_name, trial_name=base.trial_name, cluster=base.cluster
+    )
     config.stats_logger.wandb.wandb_api_key = SecretStr("wandb-sentinel-42")
+    config.rollout.agent.admin_api_key = SecretStr("admin-sentinel-42")
     sched = SlurmScheduler(config)
-    sched.create_workers(Job("actor", 1, [SchedulingSpec(cpu=1, mem=1, container_type="none")]))
-    secrets_text = (sched.log_dir / ".secrets" / "actor.env").read_text()
-    assert "AREAL_SECRET_STATS_LOGGER_WANDB_WANDB_API_KEY" in secrets_text
-    assert "wandb-sentinel-42" in secrets_text
-    assert "wandb-sentinel-42" not in (sched.log_dir / "actor.sh").read_text()
-    assert "wandb-sentinel-42" not in (fake_slurm / "sbatch.log").read_text()
+    spec = SchedulingSpec(cpu=1, mem=1, container_type="none")
+    sched.create_workers(Job("actor", 1, [spec]))
+    sched.create_workers(Job("rollout", 1, [spec], secrets="rollout"))
+    actor_text = (sched.log_dir / ".secrets" / "actor.env").read_text()
+    rollout_text = (sched.log_dir / ".secrets" / "rollout.env").read_text()
+    # each role's file holds what that role uses; the logger key stays on the controller
+    assert "AREAL_SECRET_ROLLOUT_AGENT_ADMIN_API_KEY" in rollout_text
+    assert "admin-sentinel-42" in rollout_text and "admin-sentinel-42" not in actor_text
+    assert "wandb-sentinel-42" not in actor_text + rollout_text
+    for role in ("actor", "rollout"):
+        assert "admin-sentinel-42" not in (sched.log_dir / f"{role}.sh").read_text()
+    assert "admin-sentinel-42" not in (fake_slurm / "sbatch.log").read_text()
     sched.delete_workers()
+    assert not list((sched.log_dir / ".secrets").glob("*.env"))  # removed at teardown

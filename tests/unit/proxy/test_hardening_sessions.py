@@ -138,3 +138,38 @@ def test_a_zero_reward_decided_after_the_end_travels_with_the_export(proxy):
     post(url, "/rl/end_session", bearer(key)).raise_for_status()
     (exported,) = export(url, session_id, last_reward=0.0).json()["interactions"]
     assert exported["reward"] == 0.0
+
+
+def test_start_session_takes_only_a_fresh_key(proxy):
+    """A caller-chosen session key must be fresh: an exported (or merely ended) session's
+    key, the gateway key or a secret's printed form would hand the new session to whoever
+    holds that string (the gateway key is derived from the admin key and shared by every
+    proxy of the run; an old session key is still in some harness's environment)."""
+    url, _ = proxy
+    admin = bearer(ADMIN)
+
+    def start(key: str) -> httpx.Response:
+        post(url, "/grant_capacity", admin)
+        return post(url, "/rl/start_session", admin, {"task_id": "t", "api_key": key})
+
+    exported_id, exported_key = start_session(url, "t", api_key="sk-caller-chosen-1")
+    assert post(url, "/rl/end_session", bearer(exported_key)).status_code == 200
+    assert export(url, exported_id).status_code == 200
+    _, ended_key = start_session(url, "t", api_key="sk-caller-chosen-2")
+    assert post(url, "/rl/end_session", bearer(ended_key)).status_code == 200
+
+    refusals = {
+        "exported session's key": (exported_key, 409),
+        "ended session's key": (ended_key, 409),
+        "gateway key": (derive_gateway_key(ADMIN), 400),
+        "admin key": (ADMIN, 400),
+        "printed form": ("<redacted>", 400),
+    }
+    for what, (key, status) in refusals.items():
+        response = start(key)
+        assert response.status_code == status, (what, response.text)
+    # the refused keys reach nothing new: the exported one is gone, the ended one ended
+    assert post(url, "/v1/chat/completions", bearer(exported_key), CHAT).status_code == 410
+    assert post(url, "/v1/chat/completions", bearer(ended_key), CHAT).status_code == 410
+    fresh = start("sk-caller-chosen-3")
+    assert fresh.status_code == 200 and fresh.json()["api_key"] == "sk-caller-chosen-3"

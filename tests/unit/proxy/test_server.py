@@ -143,9 +143,13 @@ def test_session_ids_capacity_and_key_binding(tokenizer):
         )
         assert busy.status_code == 409
         httpx.post(f"{url}/rl/end_session", headers=bearer(key))
-        assert (
-            start_session(url, "z", api_key=key)[0] == "z-3.r1"
-        )  # a finished session's key is re-bound
+        # never re-bound once used, not even after its session ended: whoever holds the
+        # old key would reach the new session
+        again = httpx.post(
+            f"{url}/rl/start_session", headers=admin, json={"task_id": "z", "api_key": key}
+        )
+        assert again.status_code == 409
+        assert start_session(url, "z", api_key="sk-another-fresh-key")[0] == "z-3.r1"
 
 
 def test_key_scope_matrix(tokenizer):
