@@ -7,6 +7,13 @@ executor, the engine's interruptible ``agenerate`` and the worker's rollout prox
 read this one state; the proxies are child processes, so the state lives in a small
 memory-mapped file whose path they are given (:meth:`BarrierState.attach`).
 
+That file has no name in any directory: it is an anonymous memory file (``memfd``) held
+open by its owner, and peers open it as ``/proc/<owner pid>/fd/<n>``. The kernel frees it
+with the last process that maps it, so nothing is left behind however the owner ends
+(close, exception, SIGTERM, ``kill -9``); the path stops working once the owner closes
+it or exits. Where ``memfd_create`` is missing (not Linux), a temporary file stands in,
+removed at :meth:`~BarrierState.close`, when the state is garbage-collected, or at exit.
+
 The controller drives it (``RolloutController.begin_weight_update`` /
 ``end_weight_update``): ``begin(version)`` closes it, ``end(version)`` sets the version
 and opens it. One 8-byte word holds both (``version << 1 | closed``), so a reader never
@@ -21,6 +28,7 @@ import mmap
 import os
 import struct
 import tempfile
+import weakref
 
 __all__ = ["BarrierState"]
 
@@ -28,27 +36,53 @@ _WORD = struct.Struct("<q")
 POLL_SECONDS = 0.05  # how often a held request looks at the barrier again
 
 
+def _state_file() -> tuple[int, str, str | None]:
+    """A new, empty file for a state: its descriptor, the path peers open, the name to
+    remove when done (``None``: the file has none)."""
+    proc_fd = f"/proc/{os.getpid()}/fd"
+    if hasattr(os, "memfd_create") and os.path.isdir(proc_fd):
+        with contextlib.suppress(OSError):  # e.g. a seccomp filter refusing the call
+            fd = os.memfd_create("areal-barrier")  # close-on-exec: children open the path
+            return fd, f"{proc_fd}/{fd}", None
+    fd, path = tempfile.mkstemp(prefix="areal-barrier-", suffix=".bin")
+    return fd, path, path
+
+
+def _release(fd: int, name: str | None, creator: int) -> None:
+    os.close(fd)
+    if name is not None and os.getpid() == creator:  # never from a forked child's exit
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+
+
 class BarrierState:
     """Closed flag and weight version of one rollout worker (see the module docstring).
 
-    ``BarrierState(version)`` creates a fresh, open state in a new file that it removes
-    at :meth:`close`; :meth:`attach` reads another process's state, read-only.
+    ``BarrierState(version)`` creates a fresh, open state in a new file that it releases
+    at :meth:`close` (or when garbage-collected); :meth:`attach` reads another process's
+    state, read-only.
     """
 
     def __init__(self, version: int = 0) -> None:
-        fd, self.path = tempfile.mkstemp(prefix="areal-barrier-", suffix=".bin")
+        fd, self.path, name = _state_file()
         try:
             os.write(fd, _WORD.pack(version << 1))
             self._map = mmap.mmap(fd, _WORD.size)
-        finally:
-            os.close(fd)
+        except BaseException:
+            _release(fd, name, os.getpid())
+            raise
         self._owner = True
+        # the descriptor keeps the path open for peers that attach later
+        self._release = weakref.finalize(self, _release, fd, name, os.getpid())
 
     @classmethod
     def attach(cls, path: str) -> BarrierState:
         """A read-only view of the state at ``path`` (written by a rollout worker)."""
         state = cls.__new__(cls)
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != _WORD.size:  # a stale path: the owner's descriptor number reused
+                raise ValueError(f"{path} is not a barrier state ({size} bytes, not 8)")
             state._map = mmap.mmap(f.fileno(), _WORD.size, access=mmap.ACCESS_READ)
         state.path = path
         state._owner = False
@@ -94,8 +128,7 @@ class BarrierState:
             await asyncio.sleep(POLL_SECONDS)
 
     def close(self) -> None:
-        """The owner removes the state file (processes that mapped it keep their view);
-        this object stays readable."""
+        """The owner releases the state file: its path stops working (processes that
+        mapped it keep their view); this object stays readable."""
         if self._owner:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
+            self._release()

@@ -6,7 +6,10 @@ A server states its limits once, as :class:`HttpLimits`, and two layers enforce 
   request's line and headers must be complete ``header_timeout`` seconds after its first
   byte, or after the connection opened for its first request; else 408 or a silent close)
   and a header size cap (431 and close). Idle kept-alive connections are closed by
-  uvicorn's own ``timeout_keep_alive`` (:func:`uvicorn_settings` sets both).
+  uvicorn's own ``timeout_keep_alive`` (:func:`uvicorn_settings` sets both). A request
+  answered before its body arrived whole (an auth check's 401, say) ends its connection:
+  uvicorn would drop the rest of the body as it came, unbounded, since each byte of it
+  puts off the keep-alive timeout again.
 * :class:`BodyLimitMiddleware`, ASGI middleware: a body over ``max_body_bytes`` gets 413
   (at once when ``Content-Length`` says so, else as soon as the streamed bytes pass the
   cap, so no body over the cap is ever buffered), a body that stalls ``body_timeout``
@@ -233,7 +236,8 @@ class _LingeringTransport:
 
 
 class LimitedHttpProtocol(HttpToolsProtocol):
-    """:class:`HttpToolsProtocol` with a per-request header deadline and size cap.
+    """:class:`HttpToolsProtocol` with a per-request header deadline and size cap, that
+    closes a connection whose request was answered before its body arrived whole.
 
     Use :func:`limited_http_protocol`, which makes a subclass with a server's settings.
     """
@@ -271,6 +275,17 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self._open_header_bytes += len(data)
             if self._open_header_bytes > cap:
                 self._refuse(self._headers_too_large())
+
+    def on_response_complete(self) -> None:
+        # The client is still sending a body the app answered without: uvicorn drops the
+        # rest as it arrives, and each byte cancels the keep-alive timeout, so a trickle
+        # (or one byte, then silence) would hold the connection forever. It closes instead
+        # (lingering: the client reads the answer). A pipelined request means this one's
+        # body was complete.
+        unread = not self.pipeline and self.cycle is not None and self.cycle.more_body
+        if unread and not self.transport.is_closing():
+            self.transport.close()
+        super().on_response_complete()
 
     def _refuse(self, refusal: Refusal) -> None:
         self._disarm_header_timer()
@@ -478,8 +493,8 @@ class BodyLimitMiddleware:
         except TimeoutError:
             if deadline is None or not timer.expired():
                 raise
-            # the request itself was fine: its connection stays open (uvicorn skips any
-            # unread body), unlike after a 413 or 408
+            # the request itself was fine: its connection stays open, unlike after a 413
+            # or 408 (unless its body is still arriving: see LimitedHttpProtocol)
             await exchange.refuse(shape, _deadline_passed(limits), scope, close=False)
         except Exception:
             if not exchange.answered:

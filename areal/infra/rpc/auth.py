@@ -24,7 +24,10 @@ well formed; the signature (:func:`hmac.compare_digest`); the timestamp within
 ``±MAX_CLOCK_SKEW`` seconds (60 by default, ``$AREAL_RPC_MAX_CLOCK_SKEW``) of its own
 clock; that ``Host`` names it; that the nonce was not seen before (:class:`ReplayCache`);
 and, once read, that the body matches its digest. Any failure is a ``401`` whose body
-says which check failed, unsigned, before the body is read.
+says which check failed, unsigned, before the body is read. The timestamp check and the
+replay cache judge a request by one reading of the clock (:attr:`SignedRequest.checked_at`),
+and the cache keeps each nonce a second past the window: a request the timestamp check
+still accepts always finds its nonce remembered, even at the very edge of the window.
 
 An answer to an accepted request carries ``X-Areal-Signature``: the HMAC over
 ``AREAL-RPC-HMAC-SHA256-V1``, ``response``, the status code, the *request's* nonce and
@@ -210,6 +213,9 @@ class SignedRequest:
     timestamp: int
     nonce: str
     content_sha256: str
+    checked_at: float
+    """The receiver's clock when the timestamp was checked: pass it to
+    :meth:`ReplayCache.use`, so both checks judge the request at the same instant."""
 
 
 def check_request(
@@ -222,7 +228,8 @@ def check_request(
     now: float | None = None,
     skew: float | None = None,
 ) -> SignedRequest:
-    """Check the headers' signature and timestamp (not the nonce, not the body)."""
+    """Check the headers' signature and timestamp (not the nonce, not the body) at ``now``
+    (default: the clock, read once); the result carries that reading for the replay cache."""
     values = {}
     for name in SIGNED_HEADERS:
         value = headers.get(name.lower())
@@ -252,18 +259,24 @@ def check_request(
             f"±{skew:.0f}s): a replayed request, or clocks out of sync (run NTP, or raise "
             f"${CLOCK_SKEW_ENV} on both ends)"
         )
-    return SignedRequest(int(ts), nonce, digest)
+    return SignedRequest(int(ts), nonce, digest, now)
 
 
 class ReplayCache:
     """Nonces accepted within the replay window; each may be used once.
 
-    A nonce is remembered until its timestamp is ``window`` seconds old (after that the
-    timestamp check refuses it anyway). When ``capacity`` nonces are remembered, the
-    oldest is forgotten and every request at least as old as it is refused from then
-    on, so a forgotten nonce can never be accepted again (legitimate senders sign with
-    a fresh timestamp and are not affected in practice).
+    Pass ``now`` from :attr:`SignedRequest.checked_at`: with a clock of its own, the cache
+    could read a later instant than the timestamp check and forget a nonce whose request
+    that check still accepted. A nonce is remembered until its timestamp is ``window``
+    plus :attr:`RETENTION_MARGIN` seconds old, past the last instant the timestamp check
+    accepts it. Every forgotten nonce, for age or because ``capacity`` nonces are
+    remembered, raises a floor: requests at least as old as it are refused from then on,
+    so a forgotten nonce can never be accepted again, even if the clock steps back
+    (legitimate senders sign with a fresh timestamp and are not affected in practice).
     """
+
+    RETENTION_MARGIN = 1.0
+    """Seconds a nonce is kept past the window (timestamps are whole seconds)."""
 
     def __init__(self, window: float, capacity: int = NONCE_CACHE_SIZE):
         self.window = window
@@ -277,19 +290,26 @@ class ReplayCache:
         return len(self._seen)
 
     def use(self, nonce: str, timestamp: int, now: float | None = None) -> None:
-        """Record ``nonce``; :class:`AuthError` if it was used before."""
+        """Record ``nonce``; :class:`AuthError` if it was used before (or is forgotten)."""
         now = time.time() if now is None else now
+        oldest_kept = now - self.window - self.RETENTION_MARGIN
         with self._lock:
-            while self._by_time and self._by_time[0][0] < now - self.window:
-                _, old = heapq.heappop(self._by_time)
-                self._seen.pop(old, None)
+            while self._by_time and self._by_time[0][0] < oldest_kept:
+                self._forget()
             if timestamp <= self._floor:
-                raise AuthError("request too old for the replay cache (it is full); sign it again")
+                raise AuthError(
+                    "request too old for the replay cache (older than the nonces it still "
+                    "holds); sign it again"
+                )
             if nonce in self._seen:
                 raise AuthError(f"replayed request ({NONCE_HEADER} already used)")
             if len(self._seen) >= self.capacity:
-                oldest, old = heapq.heappop(self._by_time)
-                self._seen.pop(old, None)
-                self._floor = max(self._floor, oldest)
+                self._forget()
             self._seen[nonce] = timestamp
             heapq.heappush(self._by_time, (timestamp, nonce))
+
+    def _forget(self) -> None:
+        """Forget the oldest nonce; the floor rises to its timestamp (see the class doc)."""
+        oldest, nonce = heapq.heappop(self._by_time)
+        self._seen.pop(nonce, None)
+        self._floor = max(self._floor, oldest)

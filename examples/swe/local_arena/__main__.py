@@ -6,8 +6,9 @@ point the client at it with ``export ARENA_OPENAPI_TOKEN=$(cat <file>)``. The LL
 accepts the same token (so ``ARENA_LLM_API_KEY`` may be set to it) and any key in
 ``--llm-key-file``. Both files are read stripped of surrounding whitespace.
 
-Limits: ``--max-body-bytes`` (default 16 MiB; larger bodies get 413), ``--header-timeout``
-(default 10 s for a request's headers), ``--task-timeout`` (at most a day),
+Limits: ``--max-body-bytes`` (default 16 MiB; larger bodies get 413), ``--body-timeout``
+(default 60 s of silence within a body; 408 after), ``--header-timeout`` (default 10 s for
+a request's headers), ``--task-timeout`` (at most a day),
 ``--max-concurrent-tasks`` (1 to 1024); fault settings are bounded too (see ``faults.py``).
 On SIGTERM or SIGINT the server stops promptly: running tasks are cancelled (recorded as
 interrupted) and their child processes killed at once, requests held by an injected
@@ -214,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
             faults=faults,
             envelope=args.envelope,
             max_body_bytes=limits.max_body_bytes,
+            body_timeout=limits.body_timeout,
         )
     except (ValueError, OSError) as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)

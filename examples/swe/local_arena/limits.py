@@ -1,11 +1,14 @@
-"""The local Arena's request limits: a body cap (413) and a deadline for request headers.
+"""The local Arena's request limits: a body cap (413), a body gap (408), a header deadline.
 
 A body over ``--max-body-bytes`` is answered 413 before it is read whole, whether it
-declares a ``Content-Length`` or is chunked. A connection whose request headers are not
-complete ``--header-timeout`` seconds after the request's first byte (or after it opened)
-is closed without an answer: uvicorn's keep-alive timeout covers idle connections only,
-so without it a client that sends half a request line holds a slot of the server forever.
-Both are enforced by :mod:`areal.utils.http_limits`.
+declares a ``Content-Length`` or is chunked; one that stalls ``--body-timeout`` seconds
+between two parts while it is read gets 408; and one answered before it arrived whole
+(a 401 or 403 of the token check, an injected error) ends its connection after the
+answer, so a client trickling a body cannot hold a connection either way. A connection
+whose request headers are not complete ``--header-timeout`` seconds after the request's
+first byte (or after it opened) is closed without an answer: uvicorn's keep-alive timeout
+covers idle connections only, so without it a client that sends half a request line holds
+a slot of the server forever. All are enforced by :mod:`areal.utils.http_limits`.
 """
 
 from __future__ import annotations
@@ -27,10 +30,11 @@ __all__ = ["LIMITS", "LIMIT_FLAGS", "limit_error", "uvicorn_options"]
 
 LIMITS = HttpLimits(
     max_body_bytes=16 * 1024 * 1024,  # harness calls carry whole conversations
+    body_timeout=60.0,  # seconds of silence allowed between two parts of a body
     header_timeout=10.0,
 )
 """The local Arena's request limits by default (its flags change them)."""
-LIMIT_FLAGS = LimitFlags(LIMITS, ("--max-body-bytes", "--header-timeout"))
+LIMIT_FLAGS = LimitFlags(LIMITS, ("--max-body-bytes", "--body-timeout", "--header-timeout"))
 
 
 def limit_error(refusal: Refusal, scope: Scope | None) -> tuple[Headers, bytes]:
@@ -41,5 +45,6 @@ def limit_error(refusal: Refusal, scope: Scope | None) -> tuple[Headers, bytes]:
 
 
 def uvicorn_options(limits: HttpLimits = LIMITS) -> dict[str, Any]:
-    """uvicorn settings of the local Arena: its HTTP protocol, with the header deadline."""
+    """uvicorn settings of the local Arena: its HTTP protocol, with the header deadline and
+    the close of a connection whose request was answered before its body arrived."""
     return uvicorn_settings(limits, error_shape=limit_error, header_timeout_reply="never")

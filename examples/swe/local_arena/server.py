@@ -27,11 +27,13 @@ answers the bare objects (E10 as a ``data`` list). The client accepts both.
 
 Limits: a request body over ``max_body_bytes`` (default 16 MiB, ``--max-body-bytes``) is
 answered 413 before it is read whole, whether it declares a ``Content-Length`` or is
-chunked; the process entry point also closes connections whose request headers take
-longer than ``--header-timeout`` seconds. Keys in launch and route bodies are stripped of
-surrounding whitespace. When the server stops, running tasks are cancelled and their
-child processes killed, and requests held by an injected latency or a slow upstream are
-answered 503 at once.
+chunked, and one that stalls ``body_timeout`` seconds between two parts (default 60,
+``--body-timeout``) gets 408; the process entry point also closes connections whose
+request headers take longer than ``--header-timeout`` seconds, and those whose request
+was answered before its body arrived whole (see :mod:`.limits`). Keys in launch and
+route bodies are stripped of surrounding whitespace. When the server stops, running tasks
+are cancelled and their child processes killed, and requests held by an injected latency
+or a slow upstream are answered 503 at once.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ MAX_PAGE = 1000
 ENVELOPES = ("plain", "wrapped")
 ROUTE_PREFIX = "stream-areal-"
 DEFAULT_MAX_BODY_BYTES = LIMITS.max_body_bytes
+DEFAULT_BODY_TIMEOUT_S = LIMITS.body_timeout
 BODY_BYTES_RANGE = (1024, 1024**3)
 MAX_TASK_TIMEOUT_S = 86_400.0
 MAX_CONCURRENT_TASKS = 1024
@@ -87,6 +90,7 @@ class LocalArenaConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)
     envelope: str = "plain"
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get 413
+    body_timeout: float = DEFAULT_BODY_TIMEOUT_S  # seconds a body may stall; 408 after
 
     def __post_init__(self) -> None:
         self.token = self.token.strip()
@@ -110,6 +114,11 @@ class LocalArenaConfig:
             MAX_CONCURRENT_TASKS,
         )
         _check_int("max_body_bytes (--max-body-bytes)", self.max_body_bytes, *BODY_BYTES_RANGE)
+        gap = self.body_timeout
+        if isinstance(gap, bool) or not isinstance(gap, (int, float)) or not gap > 0:
+            raise ValueError(f"body_timeout (--body-timeout) must be positive, got {gap!r}")
+        if not math.isfinite(gap):
+            raise ValueError(f"body_timeout (--body-timeout) must be finite, got {gap!r}")
 
 
 def _check_int(what: str, value: Any, low: int, high: int) -> None:
@@ -512,7 +521,9 @@ def create_app(config: LocalArenaConfig) -> FastAPI:
             return stopping_response()
         return await call_next(request)
 
-    limits = dataclasses.replace(LIMITS, max_body_bytes=config.max_body_bytes)
+    limits = dataclasses.replace(
+        LIMITS, max_body_bytes=config.max_body_bytes, body_timeout=config.body_timeout
+    )
     app.add_middleware(BodyLimitMiddleware, limits=limits, error_shape=limit_error)
 
     @app.exception_handler(HTTPError)

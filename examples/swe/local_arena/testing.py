@@ -50,6 +50,7 @@ def running_local_arena(
     port: int | None = None,
     db_name: str = "arena.db",
     max_body_bytes: int | None = None,
+    body_timeout: float | None = None,
 ) -> Iterator[LocalArenaHandle]:
     """Serve a local Arena whose database lives in ``directory``; yields its handle.
 
@@ -69,6 +70,7 @@ def running_local_arena(
         faults=FaultConfig.from_mapping(merged),
         envelope=envelope,
         **({} if max_body_bytes is None else {"max_body_bytes": max_body_bytes}),
+        **({} if body_timeout is None else {"body_timeout": body_timeout}),
     )
     app = create_app(config)
     with serve_in_thread(app, host, port) as url:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import subprocess
 import sys
@@ -12,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from areal.infra.rpc import auth
 from areal.infra.rpc.auth import (
     NONCE_HEADER,
     SIGNATURE_HEADER,
@@ -23,10 +25,12 @@ from areal.infra.rpc.auth import (
     verify_response,
 )
 from areal.infra.rpc.client import RPCClient
+from areal.infra.rpc.guard import SignedRequestGuard
 from areal.infra.rpc.rpc_server import WorkerServer
 from areal.infra.rpc.serialization import json_dumps
 from areal.infra.scheduler.exceptions import RPCAuthenticationError
 from areal.utils import names
+from areal.utils.http_limits import read_body
 from areal.utils.serving import serve_in_thread
 from tests.unit.infra.test_rpc_server import (
     OK,
@@ -82,6 +86,78 @@ def test_the_replay_cache_refuses_a_nonce_twice_even_after_it_is_full():
         cache.use("c" * 32, 999, now)
     cache.use("d" * 32, 1100, now=1100.0)  # "b" and "c" expired with the window
     assert len(cache) == 1
+
+
+def test_a_replay_at_the_very_edge_of_the_window_is_refused():
+    # the timestamp check accepts ts up to ts + skew; from that instant the replay cache
+    # may read a later clock (it used to read its own), and must still remember the nonce
+    skew, ts = 60.0, 1_700_000_000
+    cache = ReplayCache(window=skew)
+    nonce = "e" * 32
+    headers = sign_request(TOKEN, "POST", "h:1", "/call", b"", timestamp=ts, nonce=nonce)
+    lower = {k.lower(): v for k, v in headers.items()}
+    first = check_request(TOKEN, "POST", "h:1", "/call", lower, now=ts + 1.0, skew=skew)
+    cache.use(first.nonce, first.timestamp, now=ts + 1.0)
+    # |ts - now| == skew: still accepted
+    again = check_request(TOKEN, "POST", "h:1", "/call", lower, now=ts + skew, skew=skew)
+    # the cache judged at the check's instant, and later (a clock of its own): the nonce
+    # is kept until ts + skew + 1 (the margin), then forgotten with everything as old
+    later = [(0.0, "replayed"), (0.5, "replayed"), (1.0, "replayed"), (1.5, "too old")]
+    for after, refusal in [*later, (600.0, "too old")]:
+        with pytest.raises(AuthError, match=refusal):
+            cache.use(again.nonce, again.timestamp, now=ts + skew + after)
+    with pytest.raises(AuthError, match="clock"):  # a moment later the check refuses it
+        check_request(TOKEN, "POST", "h:1", "/call", lower, now=ts + skew + 0.5, skew=skew)
+    # what the guard passes to the cache: the reading the timestamp was checked at
+    assert (first.checked_at, again.checked_at) == (ts + 1.0, ts + skew)
+
+
+def test_a_forgotten_nonce_is_refused_even_when_the_clock_steps_back():
+    cache = ReplayCache(window=60)
+    cache.use("f" * 32, 1000, now=1000.0)
+    cache.use("1" * 32, 1100, now=1100.0)  # "f" (1000 < 1100 - 61) is forgotten
+    assert len(cache) == 1
+    with pytest.raises(AuthError, match="too old"):  # the clock went back to 1050
+        cache.use("f" * 32, 1000, now=1050.0)
+
+
+class SteppingClock:
+    """Stands in for the ``time`` module of :mod:`areal.infra.rpc.auth`: each reading is
+    ``step`` seconds after the last, so two readings for one request differ."""
+
+    def __init__(self, start: float, step: float = 0.5):
+        self.now, self.step = start, step
+
+    def time(self) -> float:
+        now = self.now
+        self.now += self.step
+        return now
+
+
+async def echo_body(scope, receive, send):
+    body = await read_body(receive)
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": body or b""})
+
+
+def test_the_guard_refuses_a_replay_at_the_edge_of_the_window(monkeypatch):
+    ts, skew = 1_700_000_000, 60.0
+    clock = SteppingClock(float(ts))
+    monkeypatch.setattr(auth, "time", clock)
+    guard = SignedRequestGuard(echo_body, TOKEN, max_skew=skew)
+    body = b'{"x": 1}'
+    headers = sign_request(TOKEN, "POST", "worker:9", "/call", body, timestamp=ts)
+
+    async def send_once() -> httpx.Response:
+        transport = httpx.ASGITransport(app=guard)
+        async with httpx.AsyncClient(transport=transport, base_url="http://worker:9") as client:
+            return await client.post("/call", content=body, headers=headers)
+
+    assert asyncio.run(send_once()).status_code == 200
+    clock.now = ts + skew  # the last instant the timestamp check accepts the request
+    replayed = asyncio.run(send_once())
+    assert replayed.status_code == 401, replayed.text
+    assert "already used" in replayed.json()["error"]
 
 
 # --- a real worker process ---

@@ -4,7 +4,12 @@ and a weight-sync handshake the controller runs, trainer and inference concurren
 from __future__ import annotations
 
 import ast
+import contextlib
 import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,6 +58,99 @@ def test_another_process_reads_the_same_pause_and_version():
     finally:
         state.close()
     assert not Path(state.path).exists()
+
+
+# --- nothing left behind, however the owner ends ---
+
+OWNER = """
+import subprocess, sys, time
+from areal.infra.weight_barrier import BarrierState
+
+state = BarrierState(version=3)
+state.begin()
+reader = "import sys; from areal.infra.weight_barrier import BarrierState as B; "
+reader += "v = B.attach(sys.argv[1]); print(v.closed, v.version)"
+seen = subprocess.run([sys.executable, "-c", reader, state.path], capture_output=True,
+                      text=True, check=True).stdout.split()
+print(*seen, flush=True)  # a proxy, attached by the path it was given
+end = sys.argv[1]
+if end == "exception":
+    raise RuntimeError("the rollout worker failed")
+elif end == "signal":
+    time.sleep(120)
+# "exit": ends without close(), as a worker whose engine is never destroyed
+"""
+
+
+def _run_until_its_end(argv: list[str], end: str, tmp: Path) -> tuple[int, str]:
+    """Run ``argv`` with ``$TMPDIR`` at ``tmp``; ``signal``/``kill``: SIGTERM/SIGKILL its
+    process group once it printed a line. Its status and first line."""
+    env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(REPO)}
+    process = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        first = process.stdout.readline()
+        if end in ("signal", "kill"):
+            os.killpg(process.pid, signal.SIGTERM if end == "signal" else signal.SIGKILL)
+        process.communicate(timeout=120)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # its children (a proxy) end too
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError("children of the owner outlived it")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+    return process.returncode, first
+
+
+@pytest.mark.parametrize(
+    ("end", "status"), [("exit", 0), ("exception", 1), ("signal", -15), ("kill", -9)]
+)
+def test_no_barrier_file_is_left_however_the_owner_ends(tmp_path, end, status):
+    # close() is covered above; these owners never call it
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [sys.executable, "-c", OWNER, "signal" if end == "kill" else end]
+    returncode, first = _run_until_its_end(argv, end, tmp)
+    assert first.split() == ["True", "3"]  # the reader saw the closed state and its version
+    assert returncode == status
+    assert list(tmp.iterdir()) == []  # no /tmp/areal-barrier-*.bin, for any ending
+
+
+RUN = """
+import sys, time
+from areal.api.cli_args import InferenceEngineConfig
+from areal.engine import RemoteSGLangEngine
+from tests.fakes.live_server import ScriptedASGI, serve
+from tests.fakes.scripted_http import ScriptedHTTP, reply
+
+tokenizer = sys.argv[1]
+stand_in = ScriptedHTTP().on("GET", "/health", reply(200, {"status": "ok"}))
+with serve(ScriptedASGI(stand_in)) as url:
+    config = InferenceEngineConfig(backend="sglang:d1")
+    config.agent.admin_api_key = "admin-key-for-barrier-tests-7c2"
+    engine = RemoteSGLangEngine(config)
+    engine.initialize(addr=url.removeprefix("http://"))
+    print(engine.launch_proxy(tokenizer_path=tokenizer), flush=True)  # attached, healthy
+    time.sleep(120)  # until the scheduler stops the worker's process group
+"""
+
+
+def test_a_stopped_rollout_worker_and_its_proxy_leave_no_barrier_file(tmp_path, tiny_model_dir):
+    # the end of a clean run: the worker and its proxy are stopped, engine.destroy() unrun
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    argv = [sys.executable, "-c", RUN, str(tiny_model_dir)]
+    returncode, first = _run_until_its_end(argv, "signal", tmp)
+    assert first.startswith("http://"), first  # the proxy attached to the barrier
+    assert returncode == -signal.SIGTERM
+    assert sorted(p.name for p in tmp.iterdir() if "barrier" in p.name) == []
 
 
 # --- the controller's barrier ---

@@ -25,10 +25,13 @@ from areal.utils.http_limits import (
     HttpLimits,
     LimitFlags,
     Refusal,
+    _LingeringTransport,
     read_body,
     uvicorn_settings,
 )
 from areal.utils.network import find_free_port
+
+LINGER_S = _LingeringTransport.LINGER_S
 
 # --- small ASGI apps and a scripted client ---
 
@@ -169,9 +172,9 @@ def test_the_error_shape_hook_gets_the_refusal_and_the_scope():
 
 
 @contextmanager
-def serving(limits: HttpLimits, **protocol: Any) -> Iterator[tuple[str, int]]:
+def serving(limits: HttpLimits, app: Any = echo_app, **protocol: Any) -> Iterator[tuple[str, int]]:
     address = ("127.0.0.1", find_free_port("127.0.0.1"))
-    app = BodyLimitMiddleware(echo_app, limits)
+    app = BodyLimitMiddleware(app, limits)
     config = uvicorn.Config(
         app,
         host=address[0],
@@ -274,6 +277,53 @@ def test_a_client_still_sending_an_oversized_body_reads_its_413():
         while chunk := conn.recv(65536):
             received += chunk
     assert received.startswith(b"HTTP/1.1 413 ") and b"(50000000 bytes)" in received
+
+
+async def refusing_app(scope: dict, receive: Any, send: Any) -> None:
+    """Answers 401 at once without reading the body, as an auth check does."""
+    headers = [(b"content-length", b"2")]
+    await send({"type": "http.response.start", "status": 401, "headers": headers})
+    await send({"type": "http.response.body", "body": b"no"})
+
+
+def test_a_body_left_unread_ends_the_connection_after_the_answer():
+    # uvicorn drops the unread rest of a body as it comes, and each byte of it used to put
+    # off the keep-alive timeout: a trickle held the connection forever
+    limits = HttpLimits(body_timeout=0.5, header_timeout=0.5, keep_alive_timeout=0.5)
+    head = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 1000\r\n\r\n"
+    with serving(limits, refusing_app) as address, socket.create_connection(address) as conn:
+        conn.sendall(head + b"x")
+        conn.settimeout(0.2)  # a byte every 0.2 s: faster than every timeout above
+        received, finished, closed = b"", None, None
+        started = time.monotonic()
+        while closed is None and time.monotonic() - started < 8:
+            try:
+                conn.sendall(b"x")
+                chunk = conn.recv(65536)
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = time.monotonic() - started  # closed for good: the reset of a send
+                break
+            received += chunk
+            if not chunk:  # the answer, then the server's FIN
+                finished = finished or time.monotonic() - started
+                time.sleep(0.2)
+    assert received.startswith(b"HTTP/1.1 401 ") and received.endswith(b"\r\n\r\nno")
+    assert finished is not None and finished < 1.0, received
+    # the server drops what still comes for a moment, so the client can read the answer
+    assert closed is not None and closed < LINGER_S + 1.5
+    # with no body left unread, the same answer keeps the connection for the next request
+    with serving(limits, refusing_app) as address, socket.create_connection(address) as conn:
+        conn.settimeout(5)
+        for _ in range(2):
+            conn.sendall(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+            received = b""
+            while not received.endswith(b"\r\n\r\nno"):
+                chunk = conn.recv(65536)
+                assert chunk, received
+                received += chunk
+            assert received.startswith(b"HTTP/1.1 401 ") and b"connection: close" not in received
 
 
 # --- flags ---
