@@ -6,7 +6,9 @@ step, saver, evaluator, stats logger, frequency and dataloader states). A dump w
 into ``.staging`` siblings, stamps each with the same ``recover_stamp.json``, then swaps
 them in by renames; the stamp written last marks a directory complete. Whatever point a
 crash interrupts, the newest pair with matching stamps is a complete recover point, and
-``_settle`` moves it back under the final names before the next load or dump.
+``_settle`` moves it back under the final names before the next load or dump: a point
+being written is never loaded. A dump that fails (a full disk) deletes its staging copies
+at once and raises :class:`RecoverWriteError`, naming the path and the OS error.
 
 The dataloader state includes the rows drawn but not yet trained when the point was
 written (asynchronous rollouts run ahead of training); a resumed run trains them first,
@@ -36,7 +38,14 @@ from areal.utils.paths import get_checkpoint_path
 from areal.utils.saver import Saver
 from areal.utils.timeutil import FrequencyControl
 
-__all__ = ["RecoverHandler", "RecoverInfo", "StepInfo", "from_jsonable", "to_jsonable"]
+__all__ = [
+    "RecoverHandler",
+    "RecoverInfo",
+    "RecoverWriteError",
+    "StepInfo",
+    "from_jsonable",
+    "to_jsonable",
+]
 
 logger = logging.getLogger("recover")
 
@@ -59,6 +68,10 @@ class StepInfo(io_struct.StepInfo):
             global_step=self.global_step + 1,
             steps_per_epoch=self.steps_per_epoch,
         )
+
+
+class RecoverWriteError(RuntimeError):
+    """A recover point could not be written; the last complete one, if any, stays."""
 
 
 @dataclass
@@ -164,12 +177,27 @@ class RecoverHandler:
         stamp = {"global_step": step_info.global_step, "time": time.time(), "id": uuid.uuid4().hex}
         ckpt_staging, info_staging = _sibling(ckpt, _STAGING), _sibling(info_dir, _STAGING)
 
-        ckpt_staging.mkdir(parents=True)
         with_optim = not self.config.no_save_optim
-        engine.save(SaveLoadMeta(str(ckpt_staging), "dcp", with_optim, tokenizer))
-        _write_stamp(ckpt_staging, stamp)
-        info.write(info_staging)
-        _write_stamp(info_staging, stamp)
+        writing = ckpt_staging
+        try:
+            ckpt_staging.mkdir(parents=True)
+            engine.save(SaveLoadMeta(str(ckpt_staging), "dcp", with_optim, tokenizer))
+            _write_stamp(ckpt_staging, stamp)
+            writing = info_staging
+            info.write(info_staging)
+            _write_stamp(info_staging, stamp)
+        except Exception as error:
+            # unstamped, so never loaded; deleted now to give back the space it took
+            for staging in (ckpt_staging, info_staging):
+                shutil.rmtree(staging, ignore_errors=True)
+            cause: Exception = error
+            if isinstance(error, OSError) and error.errno and error.filename is None:
+                cause = OSError(error.errno, error.strerror, str(writing))  # name the path
+            raise RecoverWriteError(
+                f"the recover point of global step {step_info.global_step} was not written: "
+                f"{cause}; it was deleted, and a resumed run starts from the last complete "
+                f"recover point in {ckpt.parent.parent} (if any)"
+            ) from error
 
         for final in (ckpt, info_dir):
             if final.exists():

@@ -14,9 +14,10 @@ Rows drawn from a :class:`~areal.trainer.dataloader.StatefulDataLoader` stay out
 in it until their group is handed to the trainer or rejected, so a recover checkpoint
 knows which rows were drawn ahead (asynchronous mode) and a resumed run trains them.
 
-A :class:`~areal.infra.controller.health.HealthSupervisor` probes every server and
-worker (``rollout.health_check_*``); when one is dead, dispatching stops at once and
-:meth:`wait`, :meth:`prepare_batch` and every call to the workers raise its error.
+A :class:`~areal.infra.controller.health.HealthSupervisor` probes every worker, server
+and proxy (``rollout.health_check_*``); when one is dead, dispatching stops at once and
+:meth:`wait`, :meth:`prepare_batch` and every call to the workers raise its error, which
+names the worker when its servers and proxies died with it.
 
 Weight updates go through one barrier (DESIGN decision 10):
 :meth:`RolloutController.begin_weight_update` stops dispatching and closes every worker's
@@ -46,7 +47,14 @@ from typing import Any
 from areal.api.cli_args import InferenceEngineConfig, SchedulingSpec, SchedulingStrategy
 from areal.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal.api.scheduler_api import Job, Scheduler, Worker
-from areal.infra.controller.health import HealthSupervisor, HealthTarget, RolloutHealthError
+from areal.infra.controller.health import (
+    INFERENCE_SERVER,
+    ROLLOUT_PROXY,
+    ROLLOUT_WORKER,
+    HealthSupervisor,
+    HealthTarget,
+    RolloutHealthError,
+)
 from areal.infra.staleness_manager import StalenessManager
 from areal.utils import logging, stats_tracker
 
@@ -118,7 +126,8 @@ class RolloutController:
     ) -> None:
         """Start ``n_workers`` workers, each with its own server (``server_args``) or
         connected to ``server_addrs`` (one per worker, e.g. for an eval controller)."""
-        self.scheduler.create_workers(Job(self.role, n_workers, [spec] * n_workers, strategy))
+        job = Job(self.role, n_workers, [spec] * n_workers, strategy, secrets="rollout")
+        self.scheduler.create_workers(job)
         self.workers = self.scheduler.get_workers(self.role)
         # workers never gate on their own: the controller holds the staleness bound
         worker_config = dataclasses.replace(
@@ -157,12 +166,12 @@ class RolloutController:
         if c.health_check_interval <= 0:
             return
         servers = [
-            HealthTarget("inference server", addr, w.id, "/health", quiet_path="/get_model_info")
+            HealthTarget(INFERENCE_SERVER, addr, w.id, "/health", quiet_path="/get_model_info")
             for w, addr in zip(self.workers, self.server_addrs, strict=True)
         ]
-        workers = [HealthTarget("rollout worker", w.address, w.id) for w in self.workers]
+        workers = [HealthTarget(ROLLOUT_WORKER, w.address, w.id) for w in self.workers]
         self._health = HealthSupervisor(
-            servers + workers,
+            servers + workers + self._proxy_targets(),
             interval=c.health_check_interval,
             timeout=c.health_check_timeout,
             failures=c.health_check_failures,
@@ -171,6 +180,13 @@ class RolloutController:
             name=f"{self.role}-health",
         )
         self._health.start()
+
+    def _proxy_targets(self) -> list[HealthTarget]:
+        """The proxies as health targets: proxy ``i`` (``http://host:port``) is worker ``i``'s."""
+        return [
+            HealthTarget(ROLLOUT_PROXY, url.split("://", 1)[-1].rstrip("/"), w.id)
+            for w, url in zip(self.workers, self.proxy_addrs)  # none before start_proxies
+        ]
 
     def _on_health_failure(self, error: RolloutHealthError) -> None:
         with self._lock:  # under the lock: no task is dispatched after this line is logged
@@ -195,13 +211,14 @@ class RolloutController:
                 self._quiet_calls -= 1
 
     def check_health(self) -> None:
-        """Raise the error of a server or worker found dead (before work that needs them)."""
+        """Raise the error of a worker, server or proxy found dead (before work that needs
+        them)."""
         if self._health_error is not None:
             raise self._health_error
 
     def diagnose(self) -> RolloutHealthError | None:
-        """Why the rollout side is broken, if it is: a known dead server or worker, or one
-        that does not answer a health check now (to explain an error seen elsewhere; it
+        """Why the rollout side is broken, if it is: a known dead worker, server or proxy, or
+        one that does not answer a health check now (to explain an error seen elsewhere; it
         then stops the dispatch as a failed supervision does)."""
         if self._health_error is None and self._health is not None:
             found = self._health.diagnose()
@@ -344,12 +361,16 @@ class RolloutController:
         Proxy ``i`` runs next to rollout worker ``i`` and in front of its server; tasks sent
         to worker ``i`` carry ``proxy_addrs[i]``. ``expected_temperature`` is
         ``actor.temperature`` (the proxies count requests sampled otherwise). Idempotent.
+        The health supervision watches them from now on: a dead proxy fails every rollout
+        sent through it, which would otherwise surface only as a storm of rejections.
         """
         if not self.proxy_addrs:
             self.proxy_addrs = self._call_all(
                 "launch_proxy", tokenizer_path, expected_temperature=expected_temperature
             )
             logger.info("rollout proxies: %s", self.proxy_addrs)
+            if self._health is not None:
+                self._health.watch(self._proxy_targets())
         return list(self.proxy_addrs)
 
     # --- tasks ---

@@ -198,7 +198,15 @@ class SignedRequestGuard:
             return
         signing_send = _SigningSend(send, self._token, signed.nonce)
         scope = {**scope, AUTH_SCOPE_KEY: True, _DIGEST_SCOPE_KEY: signed.content_sha256}
-        await self._limited(scope, receive, signing_send)
+        try:
+            await self._limited(scope, receive, signing_send)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError) or signing_send.started:
+                raise
+            # the app failed without answering: uvicorn's own 500 would go unsigned, and
+            # the client would take this server's failure for an impostor's answer
+            await _send_json(signing_send, 500, f"the server failed: {type(e).__name__}: {e}")
+            raise
 
     async def _checked(self, scope: Scope, receive: Any, send: Any) -> None:
         """The app, once the whole body (read under the limits) matches its signed digest."""
@@ -219,7 +227,8 @@ class SignedRequestGuard:
             )
             if not _names_this_server(host, scope.get("server")):
                 raise AuthError(f"the request was signed for another server (Host {host!r})")
-            self.replay.use(signed.nonce, signed.timestamp)
+            # the clock reading of the timestamp check: a later one could let a replay in
+            self.replay.use(signed.nonce, signed.timestamp, now=signed.checked_at)
         except AuthError as e:
             raise _ReplyError(401, str(e)) from None
         return signed
@@ -254,6 +263,11 @@ class _SigningSend:
         self._nonce = nonce
         self._start: dict[str, Any] | None = None
         self._chunks: list[bytes] = []
+
+    @property
+    def started(self) -> bool:
+        """Whether the app began its answer."""
+        return self._start is not None
 
     async def __call__(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":

@@ -59,6 +59,7 @@ from areal.infra.rpc.guard import (
     uvicorn_options,
 )
 from areal.infra.rpc.processes import LoggedProcess
+from areal.infra.rpc.secret_env import SECRETS_FILE_ENV, load_secrets_file, public_environ
 from areal.infra.rpc.serialization import (
     SerializationError,
     deserialize_value,
@@ -71,6 +72,7 @@ from areal.utils.dynamic_import import import_from_string
 from areal.utils.lifeline import exit_with_parent
 from areal.utils.network import find_free_ports, gethostip
 from areal.utils.paths import get_log_path
+from areal.utils.secrets import refuse_printed_form
 from areal.utils.seeding import set_random_seed
 
 __all__ = ["EngineThread", "WorkerServer", "main", "parse_args"]
@@ -220,6 +222,7 @@ class WorkerServer:
         self.worker_index = worker_index
         self.host_ip = host_ip
         self.fileroot = fileroot
+        self._token = token  # handed to forked children, which sign with it too
         self.engines: dict[str, Any] = {}
         self.forked: dict[tuple[str, int], LoggedProcess] = {}
         self.config: Any = None
@@ -305,7 +308,9 @@ class WorkerServer:
             existing = self.forked.get((role, index))
             if existing is not None and existing.poll() is None:
                 return _error(400, f"forked worker {role}/{index} is already running")
-            env = {**os.environ, **env_overrides}
+            # the child inherits no secret of this worker but the RPC token; its own come
+            # from the secrets file the scheduler names in env_overrides
+            env = {**public_environ(), RPC_TOKEN_ENV: self._token, **env_overrides}
             log_dir = get_log_path(self.fileroot, self.experiment_name, self.trial_name)
             try:
                 child = LoggedProcess(raw_cmd, env, log_dir, role, label=f"{role}/{index}")
@@ -382,7 +387,9 @@ class WorkerServer:
                 return _error(400, f"{path!r} is not a TrainEngine or InferenceEngine subclass")
             try:
                 engine = await asyncio.wrap_future(self.engine_thread.submit(cls, *args, **kwargs))
-            except Exception as e:
+            except asyncio.CancelledError:
+                raise
+            except BaseException as e:  # whatever it raised; see call()
                 logger.exception("Constructing engine %s (%s) failed", name, path)
                 return _error(500, f"engine {path!r} constructor failed: {type(e).__name__}: {e}")
             with self._lock:
@@ -424,7 +431,12 @@ class WorkerServer:
             if isinstance(result, concurrent.futures.Future):
                 result = await asyncio.wrap_future(result)
             payload = serialize_value(result) if is_head else None
-        except Exception as e:
+        except asyncio.CancelledError:
+            raise  # this request was cancelled (the server stops), not failed by the engine
+        except BaseException as e:
+            # not only Exception: torch's CheckpointException (a failed DCP save, e.g. a full
+            # disk) is a BaseException, and one escaping here would reach the client as
+            # uvicorn's unsigned 500, which it must take for an impostor's answer
             logger.exception("Engine method %s on %s failed", method, name)
             return _error(500, f"Engine method '{method}' failed: {type(e).__name__}: {e}")
         if method == "destroy":
@@ -540,13 +552,28 @@ def _bind(host: str, port: int) -> tuple[socket.socket, str]:
     return sock, advertised
 
 
+def _load_secrets_file() -> None:
+    """Take this worker's secrets from ``$AREAL_SECRETS_FILE`` (a forked worker's)."""
+    path = os.environ.pop(SECRETS_FILE_ENV, "")
+    if path:
+        os.environ.update(load_secrets_file(path))
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
     args = parse_args(argv)
+    try:
+        _load_secrets_file()
+    except (OSError, ValueError) as e:
+        sys.exit(f"rpc_server: {e}")
     token = os.environ.get(RPC_TOKEN_ENV, "")
     if not token:
         sys.exit(f"rpc_server: ${RPC_TOKEN_ENV} is empty; the scheduler must set the token")
+    try:
+        refuse_printed_form(token, f"${RPC_TOKEN_ENV}")
+    except ValueError as e:
+        sys.exit(f"rpc_server: {e}")
     logging.register_secret(token)
     try:
         max_clock_skew()

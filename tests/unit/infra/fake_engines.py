@@ -15,6 +15,10 @@ from typing import Any
 from areal.api.engine_api import InferenceEngine, TrainEngine
 
 
+class NotAnExceptionError(BaseException):
+    """A ``BaseException`` that is no ``Exception`` (torch's ``CheckpointException`` is one)."""
+
+
 @dataclass
 class Point:
     """A dataclass under ``tests.`` (allowed to travel by value)."""
@@ -125,6 +129,10 @@ class EchoEngine(_TrivialInference):
 
     def fail(self, message: str) -> None:
         raise RuntimeError(message)
+
+    def fail_beyond_exception(self, message: str) -> None:
+        """Raise what is no ``Exception``, as torch's ``CheckpointException`` is."""
+        raise NotAnExceptionError(message)
 
     def engine_threads(self) -> list[str]:
         return sorted(self.thread_names)

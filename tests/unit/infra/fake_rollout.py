@@ -49,11 +49,12 @@ class FakeServer:
 
 
 class FakeRolloutScheduler:
-    """One rollout worker whose server is ``server_addr`` and whose RPC server is
-    ``worker_addr``. A submitted task finishes after ``task_seconds`` with
-    ``outcome(data)`` (``None`` = rejected); the controller long-polls it
-    (``collect_finished``), as a real worker. While ``hold_updates`` is true, weight-update
-    calls wait until ``released`` is set (a frozen server)."""
+    """One rollout worker whose server is ``server_addr``, whose RPC server is
+    ``worker_addr`` and whose proxy (once launched) is ``proxy_addr``. A submitted task
+    finishes after ``task_seconds`` with ``outcome(data)`` (``None`` = rejected); the
+    controller long-polls it (``collect_finished``), as a real worker. While
+    ``hold_updates`` is true, weight-update calls wait until ``released`` is set (a frozen
+    server)."""
 
     rpc_token = "fake-token-123456"
 
@@ -63,8 +64,10 @@ class FakeRolloutScheduler:
         worker_addr: str,
         outcome: Callable[[Any], Any] = lambda data: {"row": data},
         task_seconds: float = 0.0,
+        proxy_addr: str | None = None,
     ):
         self.server_addr = server_addr
+        self.proxy_addr = proxy_addr
         self.worker_host, self.worker_port = worker_addr.rsplit(":", 1)
         self.outcome = outcome
         self.task_seconds = task_seconds
@@ -90,6 +93,8 @@ class FakeRolloutScheduler:
         kwargs.pop("engine_name", None)
         if method == "launch_local_server":
             return self.server_addr
+        if method == "launch_proxy":
+            return f"http://{self.proxy_addr}"
         if method == "submit":
             task_id = kwargs["task_id"]
             with self.lock:

@@ -1,5 +1,5 @@
-"""Health supervision: a dead or frozen inference server (or rollout worker) fails the run
-within a bounded time, and nothing more is dispatched to it."""
+"""Health supervision: a dead or frozen inference server, rollout proxy or rollout worker
+fails the run within a bounded time, naming it, and nothing more is dispatched to it."""
 
 from __future__ import annotations
 
@@ -95,6 +95,32 @@ def test_a_frozen_server_that_never_answers_is_dead(server):
     assert "Timeout" in str(seen[0])
 
 
+def test_a_worker_dead_with_its_server_and_proxy_is_the_one_named(server):
+    worker_rpc, proxy = FakeServer(), FakeServer()
+    targets = [
+        HealthTarget("inference server", server.address, "rollout/0"),
+        HealthTarget("rollout worker", worker_rpc.address, "rollout/0"),
+        HealthTarget("rollout proxy", proxy.address, "rollout/0"),
+    ]
+    seen: list[RolloutHealthError] = []
+    supervisor = HealthSupervisor(
+        targets, interval=INTERVAL, timeout=TIMEOUT, failures=2, on_failure=seen.append
+    )
+    try:
+        for fake in (server, worker_rpc, proxy):  # its children die with the worker
+            fake.kill()
+        # the one-off diagnosis after an error seen elsewhere blames the worker as well
+        assert supervisor.diagnose().target == targets[1]
+        supervisor.start()
+        assert _wait_for(lambda: seen, timeout=3.0)
+    finally:
+        supervisor.stop()
+    (error,) = seen
+    assert error.target == targets[1] and error.gone_with == (targets[0], targets[2])
+    assert str(error).startswith(f"rollout worker rollout/0 at {worker_rpc.address} failed 2 ")
+    assert f"its inference server {server.address} and rollout proxy {proxy.address}" in str(error)
+
+
 def test_paused_servers_are_probed_where_a_paused_scheduler_still_answers(server):
     # SGLang's /health generates one token, which a paused scheduler never does
     server.status["/health"] = 503
@@ -186,6 +212,26 @@ def test_a_gone_rollout_worker_fails_the_run_naming_it(server):
     finally:
         controller.destroy()
     assert f"rollout worker rollout/0 at {worker_rpc.address}" in str(outcome["error"])
+
+
+def test_a_dead_proxy_started_after_the_workers_fails_the_run_naming_it(server):
+    worker_rpc, proxy = FakeServer(), FakeServer()
+    scheduler = FakeRolloutScheduler(
+        server.address, worker_rpc.address, task_seconds=30.0, proxy_addr=proxy.address
+    )
+    controller = _controller(scheduler)
+    try:
+        assert controller.start_proxies("tokenizer") == [f"http://{proxy.address}"]
+        outcome = _prepare_in_thread(controller)
+        assert _wait_for(lambda: "/health" in proxy.hits, timeout=3.0)  # now supervised
+        killed = time.monotonic()
+        proxy.kill()
+        assert _wait_for(lambda: "error" in outcome, timeout=5.0), "prepare_batch never failed"
+    finally:
+        controller.destroy()
+        worker_rpc.kill()
+    assert f"rollout proxy {proxy.address} (rollout worker rollout/0)" in str(outcome["error"])
+    assert outcome["at"] - killed < 3.0
 
 
 def test_a_weight_update_towards_a_frozen_server_fails_instead_of_hanging(server):

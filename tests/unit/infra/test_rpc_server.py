@@ -11,14 +11,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 import torch
 
 from areal.api.scheduler_api import RPC_TOKEN_ENV
-from areal.infra.rpc.auth import NONCE_HEADER, SIGNATURE_HEADER, sign_response, signed_headers
+from areal.infra.rpc.auth import (
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    RequestSigner,
+    sign_response,
+    signed_headers,
+)
 from areal.infra.rpc.client import RPCClient
+from areal.infra.rpc.guard import SignedRequestGuard
 from areal.infra.rpc.processes import process_alive
 from areal.infra.rpc.serialization import json_dumps
 from areal.infra.scheduler.exceptions import (
@@ -33,7 +41,7 @@ from areal.utils import names
 from areal.utils.paths import get_log_path
 from areal.utils.seeding import derive_seed
 from areal.utils.serving import serve_in_thread
-from tests.unit.infra.fake_engines import Point
+from tests.unit.infra.fake_engines import NotAnExceptionError, Point
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 TOKEN = "rpc-test-token-5d1e9a"
@@ -310,6 +318,26 @@ def test_call_errors(worker, echo):
     with pytest.raises(EngineCallError, match="boom") as info:
         client.call_engine("fail", "boom", engine_name=echo, retry_delay=0.01)
     assert info.value.attempt == 1  # a plain 500 is not retried
+
+
+def test_an_engine_failure_that_is_no_exception_gets_a_signed_answer(worker, echo):
+    # e.g. a DCP save on a full disk: unsigned, the client would blame an impostor instead
+    expected = "Engine method 'fail_beyond_exception' failed: NotAnExceptionError: disk full"
+    with pytest.raises(EngineCallError, match=expected):
+        worker.client().call_engine("fail_beyond_exception", "disk full", engine_name=echo)
+    assert worker.client().call_engine("add", 1, 2, engine_name=echo) == 3  # still serving
+
+
+def test_the_guard_signs_the_answer_to_an_app_that_failed_without_one():
+    async def crashing(scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            raise NotAnExceptionError("no answer")
+
+    signer = RequestSigner(TOKEN)  # refuses an unsigned answer
+    with serve_in_thread(SignedRequestGuard(crashing, TOKEN)) as url, httpx.Client() as client:
+        response = client.post(f"{url}/call", content=b"{}", auth=signer)
+    assert response.status_code == 500
+    assert response.json() == {"error": "the server failed: NotAnExceptionError: no answer"}
 
 
 def test_non_head_train_ranks_return_null(worker):
