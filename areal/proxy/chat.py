@@ -1,9 +1,17 @@
 """Chat completions on the inference engine, recorded token for token.
 
-For each request: render the prompt tokens (``hf``: the chat template over all messages;
-``concat``: the parent's exact tokens, then the new turns), cap the budget, generate with
-``agenerate``, decode, parse tool calls, and record the call as an :class:`Interaction`
-with the prompt tokens the engine received and the tokens and log-probs it returned.
+For each request: refuse a prompt whose text alone shows it cannot fit the context
+(:mod:`areal.proxy.prompt_size`, before anything prompt-sized is built), render the prompt
+tokens (``hf``: the chat template over all messages; ``concat``: the parent's exact
+tokens, then the new turns), cap the budget, generate with ``agenerate``, decode, parse
+tool calls, and record the call as an :class:`Interaction` with the prompt tokens the
+engine received and the tokens and log-probs it returned. A call refused for its length
+is recorded without messages or tokens (its session counts it, holding none of it).
+
+The token limit of a call (prompt + completion) is ``engine_max_tokens`` when set, else
+one less than the inference server's context length when known (servers refuse a prompt
+plus ``max_new_tokens`` that reaches it), else ``DEFAULT_ENGINE_TOTAL_TOKENS``; a
+request's ``max_total_tokens`` may lower it.
 """
 
 from __future__ import annotations
@@ -16,7 +24,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -26,10 +34,17 @@ from areal.proxy.errors import ChatRequestError, ContextLengthExceededError, Inv
 from areal.proxy.interaction import Interaction, InteractionCache
 from areal.proxy.messages import MessagePreprocessor, prepare_messages
 from areal.proxy.parsers import ReasoningParser, ToolCallParser, process_tool_calls
+from areal.proxy.prompt_size import PromptSizeBound, rendered_kinds
 from areal.proxy.validation import check_chat_request
 from areal.utils import logging, stats_tracker
 
-__all__ = ["ChatGenerator", "ChatRequestError", "ContextLengthExceededError", "GeneratedChat"]
+__all__ = [
+    "ChatGenerator",
+    "ChatRequestError",
+    "ContextLengthExceededError",
+    "GeneratedChat",
+    "TokenLimit",
+]
 
 logger = logging.getLogger("proxy.chat")
 
@@ -70,6 +85,25 @@ ALLOWED_ARGS = frozenset(
 )
 DEFAULT_MAX_NEW_TOKENS = 512
 DEFAULT_ENGINE_TOTAL_TOKENS = 32768
+
+
+class TokenLimit(NamedTuple):
+    """Fewer than ``tokens`` tokens per call, and what sets that limit (for messages)."""
+
+    tokens: int
+    source: str
+
+
+def total_token_limit(engine_max_tokens: int | None, context_length: int | None) -> TokenLimit:
+    """The limit of prompt + completion tokens of every call (see the module docstring)."""
+    server = None if context_length is None else context_length - 1
+    if engine_max_tokens is not None and (server is None or engine_max_tokens <= server):
+        return TokenLimit(engine_max_tokens, "--engine-max-tokens, rollout.agent.engine_max_tokens")
+    if server is not None:
+        return TokenLimit(server, f"the inference server's context length of {context_length}")
+    return TokenLimit(
+        DEFAULT_ENGINE_TOTAL_TOKENS, "the default, the inference server's context being unknown"
+    )
 
 
 @dataclass
@@ -133,6 +167,7 @@ class ChatGenerator:
         tool_call_parser: ToolCallParser | None = None,
         reasoning_parser: ReasoningParser | None = None,
         engine_max_tokens: int | None = None,
+        context_length: int | None = None,
         chat_template_type: str = "hf",
         preprocessors: list[MessagePreprocessor] | None = None,
         expected_temperature: float | None = None,
@@ -147,6 +182,7 @@ class ChatGenerator:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.engine_max_tokens = engine_max_tokens
+        self.total_limit = total_token_limit(engine_max_tokens, context_length)
         self.chat_template_type = chat_template_type
         self.preprocessors = list(preprocessors or [])
         self.expected_temperature = expected_temperature
@@ -158,6 +194,13 @@ class ChatGenerator:
         self._warned: set[str] = set()
         self._warn_once = os.environ.get("AREAL_PROXY_WARN_ONCE", "") == "1"
         self._encode = self._fast_encoder()
+        # computed once: what one token can stand for, and which contents the template shows
+        self.prompt_bound = PromptSizeBound.of(tokenizer)
+        self._rendered_kinds = (
+            rendered_kinds(lambda messages: self.render_text(messages, None, None))
+            if self.prompt_bound is not None
+            else frozenset()
+        )
 
     # --- helpers ---
 
@@ -177,8 +220,9 @@ class ChatGenerator:
         A fast tokenizer with no truncation, padding or special-token splitting encodes
         exactly like its backend; the wrapper only adds Python overhead per call. The batch
         entry point is used because it releases the GIL while it encodes, so a long prompt
-        tokenized on a worker thread does not stall the event loop. Checked once on a probe
-        text; anything else keeps the wrapper.
+        tokenized on a worker thread does not stall the event loop; its ``_fast`` form
+        (tokenizers >= 0.20) skips character offsets, a third of the encoder's memory.
+        Checked once on a probe text; anything else keeps the wrapper.
         """
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None or getattr(self.tokenizer, "split_special_tokens", False):
@@ -188,8 +232,10 @@ class ChatGenerator:
         if getattr(backend, "encode_special_tokens", False):
             return None
 
+        encode_batch = getattr(backend, "encode_batch_fast", backend.encode_batch)
+
         def encode(text: str) -> list[int]:
-            return backend.encode_batch([text], add_special_tokens=False)[0].ids
+            return encode_batch([text], add_special_tokens=False)[0].ids
 
         special = "".join(str(t) for t in self.tokenizer.all_special_tokens)
         probe = f' Hi there!{special}\n  déjà vu\t{{"a": [1, 2]}}\n'
@@ -225,6 +271,7 @@ class ChatGenerator:
         messages: list[dict],
         tools: list[dict] | None,
         template_kwargs: dict | None,
+        limit: TokenLimit,
     ) -> list[int] | None:
         """The parent's exact tokens + EOS + the re-rendered tokens after the matching EOS.
 
@@ -246,6 +293,7 @@ class ChatGenerator:
             at = text.find(eos_text, at + 1)
             if at < 0:
                 return None
+        self._check_rendered(text, at, limit)  # the prompt has at least the tail's tokens
         tail = self.encode(text[at:])
         if len(tail) < 2 or tail[0] != self.eos_id:
             return None
@@ -299,11 +347,11 @@ class ChatGenerator:
             raise ChatRequestError(
                 "max_completion_tokens must be positive", "max_completion_tokens"
             )
-        total = min(prompt_len + max_new, self.engine_max_tokens or DEFAULT_ENGINE_TOTAL_TOKENS)
+        total = min(prompt_len + max_new, self.total_limit.tokens)
         if total <= prompt_len:
             raise ContextLengthExceededError(
                 f"len of prompt tokens ({prompt_len}) exceeds the engine's total token limit "
-                f"({total})",
+                f"({total}: {self.total_limit.source})",
                 "messages",
             )
         return max_new, total
@@ -352,20 +400,84 @@ class ChatGenerator:
             return await asyncio.to_thread(self._from_request, fn, *args)
         return self._from_request(fn, *args)
 
+    # --- the prompt-size bound ---
+
+    def token_limit(self, body: dict[str, Any]) -> TokenLimit:
+        """The request's limit: fewer prompt tokens than this, or it cannot be served."""
+        cap = body.get("max_total_tokens")
+        if cap is not None and cap < self.total_limit.tokens:
+            return TokenLimit(cap, "the request's max_total_tokens")
+        return self.total_limit
+
+    def _too_long(self, text_bytes: int, limit: TokenLimit) -> ContextLengthExceededError:
+        bound = self.prompt_bound
+        assert bound is not None
+        return ContextLengthExceededError(
+            f"the prompt cannot fit: its {text_bytes:,}+ bytes of text take at least "
+            f"{bound.min_tokens(text_bytes):,} tokens (a token of this model stands for at "
+            f"most {bound.span} bytes), and a prompt must have fewer than {limit.tokens:,} "
+            f"tokens ({limit.source}); refused before tokenizing",
+            "messages",
+        )
+
+    def _check_messages(
+        self,
+        messages: list[dict],
+        parent: Interaction | None,
+        remaining: list[dict],
+        limit: TokenLimit,
+    ) -> None:
+        """Refuse (400) a conversation whose message text alone cannot fit ``limit``.
+
+        Reads the contents in place: nothing prompt-sized is built. In concat mode a
+        prompt may reuse its parent's tokens and tokenize only the new turns, so it is
+        refused only if that cannot fit either.
+        """
+        bound = self.prompt_bound
+        if bound is None:
+            return
+        most = bound.max_text_bytes(limit.tokens)
+        counted = bound.messages_bytes(messages, self._rendered_kinds, most)
+        if counted <= most:
+            return
+        if self.chat_template_type == "concat" and parent is not None:
+            new = bound.messages_bytes(remaining, self._rendered_kinds, most)
+            if len(parent.prompt_tokens) + bound.min_tokens(new) < limit.tokens:
+                return
+        raise self._too_long(counted, limit)
+
+    def _check_rendered(self, text: str, start: int, limit: TokenLimit) -> None:
+        """Refuse (400) a rendered prompt whose text from ``start`` cannot fit ``limit``
+        (contents not counted before rendering: tool calls, tools, dropped kinds)."""
+        bound = self.prompt_bound
+        if bound is None:
+            return
+        size = bound.text_bytes(text, start)
+        if size > bound.max_text_bytes(limit.tokens):
+            raise self._too_long(size, limit)
+
     def _render_prompt(
         self,
         parent: Interaction | None,
         messages: list[dict],
+        remaining: list[dict],
         tools: list[dict] | None,
         template_kwargs: dict | None,
+        limit: TokenLimit,
     ) -> tuple[list[int] | None, list[int]]:
-        """The concat prompt (None when there is none or it does not align), and the prompt."""
+        """The concat prompt (None when there is none or it does not align), and the prompt.
+
+        The text is checked against ``limit`` before rendering and again before tokenizing.
+        """
+        self._check_messages(messages, parent, remaining, limit)
         concat = None
         if self.chat_template_type == "concat" and parent is not None:
-            concat = self._concat_prompt(parent, messages, tools, template_kwargs)
+            concat = self._concat_prompt(parent, messages, tools, template_kwargs, limit)
         if concat is not None:
             return concat, concat
-        return None, self.render(messages, tools, template_kwargs)
+        text = self.render_text(messages, tools, template_kwargs)
+        self._check_rendered(text, 0, limit)
+        return None, self.encode(text)
 
     async def create(
         self,
@@ -409,10 +521,38 @@ class ChatGenerator:
         messages = await self._request_step(
             offload, prepare_messages, body["messages"], self.preprocessors
         )
-        parent = cache.find_parent(messages)[0] if store else None  # type: ignore[union-attr]
-        concat, prompt = await self._request_step(
-            offload, self._render_prompt, parent, messages, tools, template_kwargs
-        )
+        parent, remaining = None, messages
+        if store:
+            parent, remaining = cache.find_parent(messages)  # type: ignore[union-attr]
+        try:
+            concat, prompt = await self._request_step(
+                offload,
+                self._render_prompt,
+                parent,
+                messages,
+                remaining,
+                tools,
+                template_kwargs,
+                self.token_limit(body),
+            )
+            mismatch = False
+            if self.chat_template_type == "concat" and parent is not None:
+                count_event(CONCAT_PREFIX_MISMATCH, concat is None)
+                if concat is None:
+                    logger.warning(
+                        "concat prompt of a child of %s could not be aligned; training it alone",
+                        parent.id,
+                    )
+                    mismatch, parent = True, None
+            sampling = self._sampling(body, seed_key, request_index)
+            self._check_sampling(sampling)
+            max_new, total = self._budget(body, len(prompt))
+        except ContextLengthExceededError:
+            if store:  # the session counts the call (interaction_count) but keeps no prompt
+                cache.add(  # type: ignore[union-attr]
+                    Interaction(_completion_id(), [], chat_template_type=self.chat_template_type)
+                )
+            raise
         interaction = None
         if store:
             interaction = Interaction(
@@ -420,24 +560,10 @@ class ChatGenerator:
                 messages=[dict(m) for m in messages],
                 chat_template_type=self.chat_template_type,
             )
-        if self.chat_template_type == "concat" and parent is not None:
-            count_event(CONCAT_PREFIX_MISMATCH, concat is None)
-        if self.chat_template_type == "concat" and parent is not None and concat is None:
-            logger.warning(
-                "concat prompt of a child of %s could not be aligned; training it alone",
-                parent.id,
-            )
-            if interaction is not None:
-                interaction.concat_prefix_mismatch = True
-            parent = None
-        if interaction is not None:
+            interaction.concat_prefix_mismatch = mismatch
             interaction.parent = parent
             interaction.prompt_tokens = list(prompt)
             cache.add(interaction)  # type: ignore[union-attr]
-
-        sampling = self._sampling(body, seed_key, request_index)
-        self._check_sampling(sampling)
-        max_new, total = self._budget(body, len(prompt))
         stop = body.get("stop")
         stop = [stop] if isinstance(stop, str) else list(stop or [])
         gconfig = GenerationHyperparameters(

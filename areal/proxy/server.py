@@ -2,8 +2,9 @@
 
 ``python -m areal.proxy.server --host H --port N --engine-addr HOST:PORT
 --tokenizer-path PATH [--tool-call-parser NAME] [--reasoning-parser NAME]
-[--chat-template-type hf|concat] [--engine-max-tokens N] [limits, see below]`` reads the
-admin key from ``SWE_RL_ADMIN_API_KEY`` (never from argv) and refuses to start without one.
+[--chat-template-type hf|concat] [--engine-max-tokens N] [--context-length N] [limits, see
+below]`` reads the admin key from ``SWE_RL_ADMIN_API_KEY`` (never from argv) and refuses to
+start without one.
 
 Session endpoints (admin key): ``POST /grant_capacity``, ``/rl/start_session``,
 ``/export_trajectories``, ``/rl/stats``
@@ -17,12 +18,12 @@ and not). ``GET /health``; ``HEAD /``.
 Status codes: 401 no/unknown key or bad session headers, 403 a key without the needed
 capability (not admin on admin endpoints, the gateway key on reward/end), 410 a key or
 session token whose session has ended (no more generation or rewards) or was exported,
-400 a malformed request naming the field (``context_length_exceeded`` when the prompt
-leaves no room), 408 a request whose headers or body stall, 409 an export of a session
-that was not ended within ``--export-timeout``, 413 a body over ``--max-body-bytes``,
-431 headers over ``--max-header-bytes``, 422 a non-JSON content type, 429 no session
-capacity, 500 a failure inside the proxy (reported to the session's diagnostics). A
-client error never marks the session as having seen a system failure.
+400 a malformed request naming the field (``context_length_exceeded``, naming the token
+limit, when the prompt leaves no room), 408 a request whose headers or body stall, 409 an
+export of a session that was not ended within ``--export-timeout``, 413 a body over
+``--max-body-bytes``, 431 headers over ``--max-header-bytes``, 422 a non-JSON content
+type, 429 no session capacity, 500 a failure inside the proxy (reported to the session's
+diagnostics). A client error never marks the session as having seen a system failure.
 
 Limits (flags; defaults in parentheses): ``--max-body-bytes`` (16 MiB) for every
 endpoint, checked against ``Content-Length`` first and while reading; ``--body-timeout``
@@ -30,22 +31,30 @@ endpoint, checked against ``Content-Length`` first and while reading; ``--body-t
 ``--max-header-bytes`` (64 KiB); ``--idle-timeout`` (300 s for a kept-alive connection
 between requests); ``--export-timeout`` (300 s for a session to end before its export
 fails). Requests of 64 KiB or more are parsed and tokenized on worker threads, so one
-large prompt does not stall the other sessions; at most two of 1 MiB or more run at once.
+large prompt does not stall the other sessions; those of 1 MiB or more run one at a time.
+
 Session ids are ``<task_id>-<n>.<nonce>`` with a random nonce per start
 (``--session-id-nonce`` to choose it), so no id repeats across exports or resumed runs.
+
+Prompt size: a call's tokens (prompt + completion) stay within ``--engine-max-tokens``,
+else under the inference server's context length (``--context-length``; by default asked
+from the server's ``/get_server_info``, then SGLang's ``/v1/models``; 32,768 if it does
+not say). A prompt whose text alone cannot fit (more bytes than that limit times the most
+bytes one token of the tokenizer stands for, computed at start) gets the 400
+``context_length_exceeded`` before it is rendered or tokenized (see
+:mod:`areal.proxy.prompt_size`): tokenizing costs 100-150 bytes of memory per byte of
+text, and a 15 MB prompt used to take this process past 2.6 GB before its token count
+refused it. Prompts under that bound are tokenized. A call refused for its length is
+counted in its session (``interaction_count``) but keeps none of its prompt.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import base64
 import contextlib
 import dataclasses
-import gc
 import math
-import os
-import sys
 from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
@@ -81,7 +90,13 @@ from areal.utils.http_limits import (
     uvicorn_settings,
 )
 
-__all__ = ["LIMITS", "ProxyServer", "main", "serialize_interactions", "uvicorn_options"]
+__all__ = [
+    "LIMITS",
+    "ProxyServer",
+    "main",
+    "serialize_interactions",
+    "uvicorn_options",
+]
 
 logger = logging.getLogger("proxy.server")
 
@@ -185,7 +200,9 @@ def _number(body: dict[str, Any], name: str, default: float | None) -> float | N
 
 OFFLOAD_BYTES = 64 * 1024  # bodies this large are parsed and tokenized on worker threads
 LARGE_BYTES = 1024 * 1024  # bodies this large are prepared at most LARGE_SLOTS at a time
-LARGE_SLOTS = 2
+# One: tokenizing takes ~100 bytes per byte of text, and a body this large that passes the
+# prompt-size bound hardly ever fits the context (a fitting prompt is ~4 bytes a token)
+LARGE_SLOTS = 1
 DEFAULT_EXPORT_TIMEOUT_S = 300.0
 LIMITS = HttpLimits(
     max_body_bytes=16 * 1024 * 1024,
@@ -222,6 +239,7 @@ class ProxyServer:
         reasoning_parser: Any = None,
         chat_template_type: str = "hf",
         engine_max_tokens: int | None = None,
+        context_length: int | None = None,
         session_timeout: float = 3600.0,
         preprocessors: list[MessagePreprocessor] | None = None,
         prefix_matcher: PrefixMatcher | None = None,
@@ -251,6 +269,7 @@ class ProxyServer:
             tool_call_parser=tool_call_parser,
             reasoning_parser=reasoning_parser,
             engine_max_tokens=engine_max_tokens,
+            context_length=context_length,
             chat_template_type=chat_template_type,
             preprocessors=preprocessors,
             expected_temperature=expected_temperature,
@@ -519,159 +538,16 @@ class ProxyServer:
         }
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m areal.proxy.server",
-        description="Rollout proxy: OpenAI/Anthropic-compatible endpoints that record tokens. "
-        "The admin key is read from SWE_RL_ADMIN_API_KEY.",
-    )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--engine-addr", required=True, help="HOST:PORT of the inference server")
-    parser.add_argument("--tokenizer-path", required=True)
-    parser.add_argument("--tool-call-parser", default="qwen25")
-    parser.add_argument("--reasoning-parser", default="qwen3")
-    parser.add_argument("--chat-template-type", default="hf", choices=["hf", "concat"])
-    parser.add_argument("--engine-max-tokens", type=int, default=None)
-    parser.add_argument("--session-timeout", type=float, default=3600.0)
-    parser.add_argument("--request-timeout", type=float, default=3600.0)
-    parser.add_argument("--log-level", default="warning")
-    parser.add_argument(
-        "--expected-temperature",
-        type=float,
-        default=None,
-        help="actor.temperature: requests sampled otherwise are counted and warned about once",
-    )
-    parser.add_argument(
-        "--deterministic-sampling",
-        action="store_true",
-        help="rollout.deterministic_sampling: seed requests without a seed per session turn",
-    )
-    parser.add_argument(
-        "--message-preprocessor",
-        action="append",
-        default=[],
-        metavar="DOTTED.PATH",
-        help="a preprocessor class (repeatable, applied in order)",
-    )
-    parser.add_argument(
-        "--prefix-matcher", default=None, metavar="DOTTED.PATH", help="parent matcher function"
-    )
-    parser.add_argument(
-        "--barrier-state",
-        default=None,
-        metavar="PATH",
-        help="the rollout worker's weight-update barrier file: generation is held while it "
-        "is closed and tokens carry its version (default: none, version 0, never held)",
-    )
-    limits = LIMIT_FLAGS.add_arguments(parser)
-    limits.add_argument(
-        "--export-timeout",
-        type=_positive(float),
-        default=DEFAULT_EXPORT_TIMEOUT_S,
-        help="seconds an export waits for its session to be ended before 409 (default %(default)s)",
-    )
-    limits.add_argument(
-        "--session-id-nonce",
-        default=None,
-        metavar="NONCE",
-        help="1-32 letters or digits that end every session id (default: random per start)",
-    )
-    return parser
-
-
-def _positive(kind: type) -> Any:
-    def parse(text: str) -> Any:
-        value = kind(text)
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    parse.__name__ = kind.__name__
-    return parse
-
-
 def uvicorn_options(limits: HttpLimits = LIMITS) -> dict[str, Any]:
     """uvicorn settings of the proxy: the HTTP protocol with its header limits, the idle timeout."""
     return uvicorn_settings(limits, error_shape=limit_error)
 
 
 def main(argv: list[str] | None = None) -> None:
-    import uvicorn
-    from transformers import AutoTokenizer
+    """Run the proxy as a process (the command line of :mod:`areal.proxy.cli`)."""
+    from areal.proxy.cli import main as run
 
-    from areal.api.cli_args import InferenceEngineConfig
-    from areal.engine.sglang_remote import RemoteSGLangEngine
-    from areal.proxy.parsers import get_reasoning_parser_or_none, get_tool_call_parser_or_none
-    from areal.proxy.plugins import load_message_preprocessors, load_prefix_matcher
-
-    parser = _parser()
-    args = parser.parse_args(argv)
-    limits = LIMIT_FLAGS.parse(parser, args)
-    admin_key = os.environ.get("SWE_RL_ADMIN_API_KEY", "")
-    if not admin_key.strip():
-        print(
-            "areal.proxy.server: error: set SWE_RL_ADMIN_API_KEY (the admin key is never "
-            "taken from the command line)",
-            file=sys.stderr,
-        )
-        sys.exit(2)
-    try:
-        SessionStore(admin_key, run_nonce=args.session_id_nonce)  # a bad nonce fails here
-        tool_parser = get_tool_call_parser_or_none(args.tool_call_parser)
-        reasoning_parser = get_reasoning_parser_or_none(args.reasoning_parser)
-        preprocessors = load_message_preprocessors(args.message_preprocessor)
-        prefix_matcher = load_prefix_matcher(args.prefix_matcher)
-        validate_admin_key(admin_key, args.host)
-    except ValueError as e:
-        print(f"areal.proxy.server: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    engine = RemoteSGLangEngine(
-        InferenceEngineConfig(backend="sglang:d1", request_timeout=args.request_timeout)
-    )
-    if args.barrier_state:  # pause and version come from the rollout worker, never by call
-        engine.attach_barrier(args.barrier_state)
-    engine.initialize(addr=args.engine_addr)
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer_path)
-    server = ProxyServer(
-        engine,
-        tokenizer,
-        admin_key,
-        host=args.host,
-        tool_call_parser=tool_parser,
-        reasoning_parser=reasoning_parser,
-        chat_template_type=args.chat_template_type,
-        engine_max_tokens=args.engine_max_tokens,
-        session_timeout=args.session_timeout,
-        preprocessors=preprocessors,
-        prefix_matcher=prefix_matcher,
-        expected_temperature=args.expected_temperature,
-        deterministic=args.deterministic_sampling,
-        max_body_bytes=limits.max_body_bytes,
-        body_timeout=limits.body_timeout,
-        export_timeout=args.export_timeout,
-        run_nonce=args.session_id_nonce,
-    )
-    server.chat.warm_up()
-    # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the
-    # process: keep it out of the cyclic collector's scans, which otherwise stall every
-    # request for ~100 ms at each full collection.
-    gc.collect()
-    gc.freeze()
-    logger.info("proxy on %s:%d in front of %s", args.host, args.port, args.engine_addr)
-    from areal.utils.serving import GRACEFUL_SHUTDOWN_S
-
-    uvicorn.run(
-        server.app,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level,
-        access_log=False,
-        proxy_headers=False,
-        backlog=4096,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-        **uvicorn_options(limits),
-    )
+    run(argv)
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def test_the_rollout_setting_reaches_the_proxy_command(deterministic, monkeypatc
     """``RemoteSGLangEngine.launch_proxy`` passes ``--deterministic-sampling`` exactly when
     ``rollout.deterministic_sampling`` is on, and the proxy's parser maps it back."""
     from areal.engine import RemoteSGLangEngine
-    from areal.proxy import server
+    from areal.proxy import cli
 
     commands = []
 
@@ -68,5 +68,5 @@ def test_the_rollout_setting_reaches_the_proxy_command(deterministic, monkeypatc
         engine.launch_proxy(tokenizer_path="/nonexistent-tokenizer")
     (cmd,) = commands
     assert ("--deterministic-sampling" in cmd) is deterministic
-    args = server._parser().parse_args(cmd[cmd.index("areal.proxy.server") + 1 :])
+    args = cli._parser().parse_args(cmd[cmd.index("areal.proxy.server") + 1 :])
     assert args.deterministic_sampling is deterministic
