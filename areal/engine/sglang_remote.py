@@ -46,12 +46,13 @@ from areal.engine.sglang_backend import HFBackend, SGLangBackend
 from areal.engine.stop_strings import ClientStops, split_stop_strings
 from areal.inference.auth import API_KEY_ENV
 from areal.infra import workflow_context
+from areal.infra.rpc.secret_env import public_environ
 from areal.infra.weight_barrier import BarrierState
 from areal.infra.workflow_executor import WorkflowExecutor
 from areal.utils import logging, name_resolve, names
 from areal.utils.lifeline import child_env
 from areal.utils.network import find_free_port, gethostip, httpx_transport, wait_healthy
-from areal.utils.secrets import SecretStr, reveal
+from areal.utils.secrets import SecretStr, refuse_printed_form, reveal
 
 __all__ = ["HFBackend", "RemoteInfEngine", "RemoteSGLangEngine", "SGLangBackend"]
 
@@ -60,6 +61,8 @@ logger = logging.getLogger("engine.remote")
 DONE_REASONS = ("stop", "tool_calls", "length")
 STICKY_RIDS = 128
 AUTH_FAILURES = (401, 403)  # retrying cannot help: the key is wrong or missing
+# how much longer than rollout.weight_update_group_timeout a join's answer may take
+JOIN_ANSWER_SLACK_S = 10.0
 
 
 def _auth_error(address: str, endpoint: str, status: int) -> RuntimeError:
@@ -92,7 +95,8 @@ class RemoteInfEngine(InferenceEngine):
         self._control_client: httpx.Client | None = None
         self._control_lock = threading.Lock()
         self._initialized = False
-        self._api_key = SecretStr(os.environ.get(API_KEY_ENV, "").strip())
+        given = refuse_printed_form(os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}")
+        self._api_key = SecretStr(given.strip())
         self._tokenizerless: set[str] = set()  # servers run with skip_tokenizer_init
         logging.register_secret(self._api_key)
 
@@ -271,9 +275,11 @@ class RemoteInfEngine(InferenceEngine):
                 f"server_args must not hold api_key: the key goes through {API_KEY_ENV}, "
                 "never the server's command line"
             )
+        if self.backend.name == "hf":  # the embedded server bounds its joins itself
+            args.setdefault("weight_update_group_timeout", self.config.weight_update_group_timeout)
         args.setdefault("host", gethostip())
         args["port"] = args.get("port") or find_free_port()
-        env = dict(os.environ)
+        env = public_environ()  # none of this worker's secrets but the server's own key
         env["TRITON_CACHE_PATH"] = os.path.join(
             os.environ.get("AREAL_CACHE_DIR", f"/tmp/areal-{os.getuid()}"),
             f"triton-{uuid.uuid4().hex[:8]}",
@@ -323,7 +329,9 @@ class RemoteInfEngine(InferenceEngine):
         if not admin.strip():
             raise ValueError(
                 "rollout.agent.admin_api_key is empty; agent workflows run through the "
-                "rollout proxy, which needs an admin key (e.g. ${oc.env:SWE_RL_ADMIN_API_KEY})"
+                "rollout proxy, which needs an admin key: the trainer generates one per run "
+                "(areal.proxy.keys.ensure_run_admin_keys); set it (e.g. "
+                "${oc.env:SWE_RL_ADMIN_API_KEY}) when driving the engine directly"
             )
         if not self.addresses:
             raise RuntimeError("initialize() the inference engine before launch_proxy()")
@@ -369,7 +377,8 @@ class RemoteInfEngine(InferenceEngine):
         if agent.prefix_matcher:
             cmd += ["--prefix-matcher", agent.prefix_matcher]
         cmd += ["--barrier-state", self.barrier.path]
-        env = {**os.environ, "SWE_RL_ADMIN_API_KEY": admin}
+        # the proxy's secrets: its admin key, and the key of the server it calls
+        env = {**public_environ(), "SWE_RL_ADMIN_API_KEY": admin}
         if self._api_key:  # the proxy's own engine client reads it (RemoteSGLangEngine)
             env[API_KEY_ENV] = reveal(self._api_key)
         info = self._start_healthy(cmd, env, host, port)
@@ -638,7 +647,10 @@ class RemoteInfEngine(InferenceEngine):
                 address: self.backend.build_init_weights_group_request(first_server_index + i, meta)
                 for i, address in enumerate(self.addresses)
             }
-            self._send_once(requests)
+            # an embedded server answers by its own bound (the same setting); SGLang has none
+            self._send_once(
+                requests, timeout=self.config.weight_update_group_timeout + JOIN_ANSWER_SLACK_S
+            )
 
         return self._pool.submit(run)
 
@@ -655,15 +667,16 @@ class RemoteInfEngine(InferenceEngine):
 
         return self._pool.submit(run)
 
-    def _send_once(self, requests: dict[str, HttpRequest]) -> None:
-        """One attempt each: a retry could not rejoin a collective operation."""
+    def _send_once(self, requests: dict[str, HttpRequest], timeout: float | None = None) -> None:
+        """One attempt each: a retry could not rejoin a collective operation. ``timeout``
+        defaults to ``config.request_timeout``."""
 
         def send(address: str, request: HttpRequest) -> None:
             response = self._http().post(
                 f"http://{address}{request.endpoint}",
                 json=request.payload,
                 headers=self._auth_headers(),
-                timeout=self.config.request_timeout,
+                timeout=timeout or self.config.request_timeout,
             )
             if response.status_code >= 300:
                 raise RuntimeError(

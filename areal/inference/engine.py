@@ -4,6 +4,9 @@ Requests queue up; each iteration the thread admits waiting requests (prefilled 
 then merged into the running batch) and advances every running request by one token.
 Control commands (pause, abort, weight reload, ...) run between iterations, so a forward
 pass never races a weight swap. Results go back through ``concurrent.futures.Future``.
+Joining a weight-update group waits on the network, so only its start and its end are
+commands: the join itself runs on its own threads, bounded by ``weight_group_timeout``,
+and generation goes on meanwhile (:meth:`GenerationEngine.join_weight_group`).
 
 A failure that can be pinned on one request fails that request alone: a prefill forward
 pass that raises is retried one request at a time, and a row the sampler cannot sample
@@ -27,7 +30,12 @@ from transformers import DynamicCache
 
 from areal.inference.batch import RunningBatch, cache_kwarg, prefill_inputs
 from areal.inference.sampling import SamplingParams, SamplingParamsError, sample_tokens
-from areal.inference.weight_group import WeightUpdateRanks, join_weight_update_group
+from areal.inference.weight_group import (
+    BROADCAST_TIMEOUT_S,
+    JOIN_TIMEOUT_S,
+    WeightUpdateRanks,
+    start_weight_update_group_join,
+)
 from areal.utils import logging
 
 __all__ = [
@@ -117,6 +125,7 @@ class GenerationEngine:
         max_prefill_tokens: int = 16384,
         seed: int = 0,
         tp_size: int = 1,
+        weight_group_timeout: float = JOIN_TIMEOUT_S,
     ):
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -153,8 +162,14 @@ class GenerationEngine:
         self._released = False  # memory given back (colocation): no generation until resumed
         self._heartbeat = time.monotonic()  # the loop's last turn (see :meth:`stalled_for`)
         self._stopping = False
-        # ranks of weight-update groups, by group name (see areal.inference.weight_group)
+        self._closing = False  # a shutdown began (see begin_shutdown)
+        # ranks of weight-update groups, by group name (see areal.inference.weight_group),
+        # and the joins still under way; both only touched on the engine thread
         self._weight_groups: dict[str, WeightUpdateRanks] = {}
+        self._joining: dict[str, concurrent.futures.Future] = {}
+        if weight_group_timeout <= 0:
+            raise ValueError(f"weight_group_timeout must be > 0, got {weight_group_timeout}")
+        self.weight_group_timeout = float(weight_group_timeout)
         self.tp_devices = self._tp_devices(tp_size)
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self.stats = collections.Counter()
@@ -196,6 +211,17 @@ class GenerationEngine:
     def start(self) -> GenerationEngine:
         self._thread.start()
         return self
+
+    def begin_shutdown(self) -> None:
+        """Note that the server is going down (safe in a signal handler: it sets a flag).
+
+        Callers waiting on a weight-update group join give up at once (see :attr:`closing`).
+        """
+        self._closing = True
+
+    @property
+    def closing(self) -> bool:
+        return self._closing or self._stopping
 
     def stop(self) -> None:
         self._stopping = True
@@ -272,12 +298,43 @@ class GenerationEngine:
 
     def command(self, name: str, **kwargs: Any) -> concurrent.futures.Future:
         """Run a control command between iterations (``pause``, ``continue``, ``abort``,
-        ``update_weights``, ``release``, ``resume``)."""
+        ``update_weights``, ``update_weights_distributed``, ``release``, ``resume``)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             self._commands.append((name, kwargs, future))
         self._wake.set()
         return future
+
+    def join_weight_group(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+    ) -> concurrent.futures.Future:
+        """Join the trainer's weight-update group while generation goes on.
+
+        The future resolves to the answer once the group is ready for
+        ``update_weights_distributed``. It fails with :class:`RequestError` for a spec
+        this server refuses, or with the join's error (``TimeoutError`` after
+        :attr:`weight_group_timeout` when the trainer is unreachable). Cancel it to
+        abandon the join.
+        """
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+        spec = dict(
+            master_address=master_address,
+            master_port=int(master_port),
+            rank_offset=int(rank_offset),
+            world_size=int(world_size),
+            group_name=group_name,
+            backend=backend,
+        )
+        started = self.command("start_weight_group_join", answer=answer, **spec)
+        started.add_done_callback(lambda f: _settle_on_error(f, answer))
+        return answer
 
     @property
     def paused(self) -> bool:
@@ -574,35 +631,58 @@ class GenerationEngine:
         if self._running:  # cached keys/values come from the old weights
             logger.info("weights updated with %d requests still running", len(self._running))
 
-    def _cmd_init_weights_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-    ) -> dict[str, Any]:
-        """Join the trainer's weight-update group with ranks ``rank_offset + tp_rank``."""
+    def _cmd_start_weight_group_join(
+        self, answer: concurrent.futures.Future, group_name: str, backend: str, **spec: Any
+    ) -> None:
+        """Start joining with ranks ``rank_offset + tp_rank``; a rejoin replaces the group."""
         if backend == "nccl" and self.device.type != "cuda":
             raise RequestError("an NCCL weight-update group needs a CUDA server", "backend")
+        if group_name in self._joining:
+            raise RequestError(
+                f"weight-update group {group_name!r} is already being joined; wait for that "
+                "join to end",
+                "group_name",
+            )
         previous = self._weight_groups.pop(group_name, None)
         if previous is not None:
             previous.destroy()
         try:
-            ranks = join_weight_update_group(
-                master_address=master_address,
-                master_port=int(master_port),
-                rank_offset=int(rank_offset),
-                world_size=int(world_size),
+            joining = start_weight_update_group_join(
                 group_name=group_name,
                 backend=backend,
                 devices=self.tp_devices,
+                timeout_s=self.weight_group_timeout,
+                **spec,
             )
         except ValueError as e:
             raise RequestError(str(e), "rank_offset") from e
+        self._joining[group_name] = joining
+        joining.add_done_callback(
+            lambda f: self.command(
+                "finish_weight_group_join", group_name=group_name, joining=f, answer=answer
+            )
+        )
+
+    def _cmd_finish_weight_group_join(
+        self,
+        group_name: str,
+        joining: concurrent.futures.Future,
+        answer: concurrent.futures.Future,
+    ) -> None:
+        """Register a finished join's ranks, unless its caller gave up on it meanwhile."""
+        self._joining.pop(group_name, None)
+        error = joining.exception()
+        if error is not None:
+            _settle(answer, error=error)
+            return
+        ranks = joining.result()
+        if not answer.set_running_or_notify_cancel():  # abandoned: nobody will use it
+            ranks.destroy()
+            return
         self._weight_groups[group_name] = ranks
-        return {"success": True, "message": f"joined {group_name} as ranks {ranks.ranks}"}
+        answer.set_result(
+            {"success": True, "message": f"joined {group_name} as ranks {ranks.ranks}"}
+        )
 
     def _cmd_update_weights_distributed(
         self,
@@ -614,6 +694,8 @@ class GenerationEngine:
     ) -> dict[str, Any]:
         """Receive one bucket broadcast from the trainer (rank 0) and load it."""
         group = self._weight_groups.get(group_name)
+        if group is None and group_name in self._joining:
+            raise RequestError(f"weight-update group {group_name!r} is still being joined")
         if group is None:
             raise RequestError(f"no weight-update group {group_name!r}; init it first")
         if not len(names) == len(dtypes) == len(shapes):
@@ -630,7 +712,7 @@ class GenerationEngine:
             if not isinstance(value, torch.dtype):
                 raise RequestError(f"unknown dtype {dtype!r}", "dtypes")
             torch_dtypes.append(value)
-        tensors = group.receive(shapes, torch_dtypes, timeout_s=600.0)
+        tensors = group.receive(shapes, torch_dtypes, timeout_s=BROADCAST_TIMEOUT_S)
         self._load_tensors(dict(zip(names, tensors, strict=True)), abort_all_requests)
         return {"success": True, "message": f"updated {len(names)} tensors"}
 
@@ -672,19 +754,56 @@ class GenerationEngine:
         return self._released
 
 
+def _settle_on_error(
+    future: concurrent.futures.Future, dependent: concurrent.futures.Future
+) -> None:
+    """Fail ``dependent`` with ``future``'s error, if it has one."""
+    error = future.exception()
+    if error is not None:
+        _settle(dependent, error=error)
+
+
 def _is_tied(model: torch.nn.Module, name: str) -> bool:
     return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
 
 
 def _read_state_dict(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
     """Every tensor of the checkpoint at ``path``, read straight onto ``device`` (no host
-    copy of the whole model first, then a pageable copy per tensor)."""
+    copy of the whole model first, then a pageable copy per tensor).
+
+    A path that cannot be a checkpoint (missing, not a directory, too long for the OS,
+    unreadable, no or broken ``*.safetensors``) is the request's fault: a
+    :class:`RequestError` naming ``model_path``.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    shown = _shown(str(path))
+    try:
+        files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
+    except FileNotFoundError:
+        raise RequestError(f"model_path {shown} does not exist", "model_path") from None
+    except NotADirectoryError:
+        raise RequestError(f"model_path {shown} is not a directory", "model_path") from None
+    except (OSError, ValueError) as e:  # ENAMETOOLONG, EACCES, ELOOP, an embedded NUL, ...
+        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise RequestError(f"model_path {shown} cannot be read: {reason}", "model_path") from None
     if not files:
-        raise RequestError(f"no *.safetensors checkpoint in {path}", "model_path")
+        raise RequestError(f"no *.safetensors checkpoint in {shown}", "model_path")
     state: dict[str, torch.Tensor] = {}
     for file in files:
-        state.update(load_file(str(file), device=str(device)))
+        try:
+            state.update(load_file(str(file), device=str(device)))
+        except (OSError, SafetensorError) as e:
+            raise RequestError(
+                f"{_shown(file.name)} in model_path is not a readable safetensors file: {e}",
+                "model_path",
+            ) from None
     return state
+
+
+def _shown(text: str, limit: int = 120) -> str:
+    """``text`` quoted for an error message, cut to ``limit`` characters."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"

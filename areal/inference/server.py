@@ -10,9 +10,17 @@ Endpoints: ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info``,
 ``POST /abort_request``, ``POST /update_weights_from_disk``, ``POST /flush_cache``,
 ``POST /release_memory_occupation``, ``POST /resume_memory_occupation``,
 ``POST /update_weight_version``, ``GET /get_weight_version`` (the weight version is also
-in every ``/generate``'s ``meta_info``, as SGLang reports it). Bad requests get
-HTTP 400 with ``{"error": {"message", "type", "param"}}``; the server keeps serving. A
-request whose generation fails alone (see :mod:`areal.inference.engine`) gets 500.
+in every ``/generate``'s ``meta_info``, as SGLang reports it),
+``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``. Bad
+requests get HTTP 400 with ``{"error": {"message", "type", "param"}}``, an oversized field
+included (:mod:`areal.inference.bodies` bounds every string and list); the server keeps
+serving. A request whose generation fails alone (see :mod:`areal.inference.engine`) gets
+500.
+
+A weight-update group join runs beside the generation loop and fails after
+``--weight-update-group-timeout`` seconds with SGLang's answer to a failed join (400,
+``{"success": false, "message"}``); on SIGTERM a pending join answers 503 at once, so it
+never holds up the shutdown.
 
 Authentication is SGLang's (:mod:`areal.inference.auth`): with the key in
 ``AREAL_INFERENCE_API_KEY`` every route but ``/health*`` needs ``Authorization: Bearer
@@ -35,6 +43,7 @@ import contextlib
 import ipaddress
 import os
 import socket
+import sys
 import uuid
 from typing import Any
 
@@ -42,11 +51,22 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from starlette.exceptions import HTTPException
 
 from areal.inference.auth import API_KEY_ENV, APIKeyMiddleware
+from areal.inference.bodies import (
+    AbortBody,
+    DistributedUpdateBody,
+    GenerateBody,
+    InitWeightsGroupBody,
+    MemoryBody,
+    PauseBody,
+    UpdateFromDiskBody,
+    WeightVersionBody,
+)
 from areal.inference.engine import GenerationEngine, GenerationRequest, RequestError
 from areal.inference.sampling import SamplingParams
+from areal.inference.weight_group import JOIN_TIMEOUT_S
 from areal.utils import logging
 from areal.utils.http_limits import (
     BodyLimitMiddleware,
@@ -73,6 +93,7 @@ LIMITS = HttpLimits(
     keep_alive_timeout=5.0,  # SGLang's default
 )
 """The embedded server's request limits by default (its flags change them)."""
+JOIN_ANSWER_SLACK_S = 5.0  # past the join's own timeout, before its answer gives up on it
 LIMIT_FLAGS = LimitFlags(
     LIMITS,
     (
@@ -99,122 +120,19 @@ def uvicorn_options(limits: HttpLimits = LIMITS) -> dict[str, Any]:
     )
 
 
-class SamplingParamsBody(BaseModel):
-    """SGLang's ``sampling_params`` keys (an unknown key is a 400, as SGLang refuses it).
-
-    Ranges are checked by :meth:`SamplingParams.verify`, SGLang's rules; keys SGLang knows
-    but this server does not implement must keep their defaults.
-    """
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int | None = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop_token_ids: list[StrictInt] | None = None
-    stop: list[str] | str | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    sampling_seed: int | None = None
-    # accepted and without effect here (text formatting, streaming)
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    stream_interval: int | None = None
-    # SGLang features this server does not have
-    n: int = 1
-    stop_regex: str | list[str] | None = None
-    json_schema: str | None = None
-    regex: str | None = None
-    ebnf: str | None = None
-    structural_tag: str | None = None
-    custom_params: dict[str, Any] | None = None
-    logit_bias: dict[str, float] | None = None
-
-    def unsupported(self) -> str | None:
-        """The first set key this server does not implement, if any."""
-        if self.n != 1:
-            return "n"
-        for name in (
-            "stop_regex",
-            "json_schema",
-            "regex",
-            "ebnf",
-            "structural_tag",
-            "custom_params",
-            "logit_bias",
-        ):
-            if getattr(self, name) is not None:
-                return name
-        return None
-
-
-class GenerateBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    input_ids: list[StrictInt]
-    sampling_params: SamplingParamsBody = Field(default_factory=SamplingParamsBody)
-    return_logprob: bool = False
-    stream: bool = False
-    rid: str | None = None
-    lora_path: str | None = None
-
-
-class PauseBody(BaseModel):
-    mode: str = "abort"
-
-
-class AbortBody(BaseModel):
-    rid: str | None = None
-    abort_all: bool = False
-
-
-class WeightVersionBody(BaseModel):
-    new_version: str
-    abort_all_requests: bool = True
-
-
-class UpdateFromDiskBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    model_path: str
-    abort_all_requests: bool = False  # SGLang's default
-
-
-class InitWeightsGroupBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
-    group_name: str = "weight_update_group"  # SGLang's defaults
-    backend: str = "nccl"
-
-
-class DistributedUpdateBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
-    group_name: str = "weight_update_group"  # SGLang's defaults
-    abort_all_requests: bool = False
-
-
-class MemoryBody(BaseModel):
-    tags: list[str] | None = None
-
-
 def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     return JSONResponse(
         status_code=status, content={"error": {"message": message, "type": kind, "param": param}}
+    )
+
+
+def _join_failed(reason: str) -> JSONResponse:
+    """SGLang's answer to a failed join (400, ``success: false``), with this server's error."""
+    message = f"Failed to join the weight-update group: {reason}"
+    error = {"message": message, "type": "invalid_request_error", "param": None}
+    return JSONResponse(
+        status_code=400, content={"success": False, "message": message, "error": error}
     )
 
 
@@ -252,6 +170,14 @@ def create_app(
     @app.exception_handler(RequestError)
     async def on_request_error(request: Request, exc: RequestError):
         return _error(400, str(exc), exc.param)
+
+    @app.exception_handler(HTTPException)
+    async def on_http_error(request: Request, exc: HTTPException):
+        # e.g. a body FastAPI cannot parse at all (too deeply nested, not UTF-8)
+        message = "the request body could not be parsed" if exc.status_code == 400 else None
+        response = _error(exc.status_code, message or str(exc.detail))
+        response.headers.update(exc.headers or {})
+        return response
 
     async def run_command(name: str, **kwargs: Any) -> dict[str, Any]:
         return await asyncio.wrap_future(engine.command(name, **kwargs))
@@ -301,7 +227,7 @@ def create_app(
                 f"sampling_params.{unsupported} is not supported by this server",
                 f"sampling_params.{unsupported}",
             )
-        stop = [p.stop] if isinstance(p.stop, str) else list(p.stop or [])
+        stop = list(p.stop or [])
         params = SamplingParams(
             max_new_tokens=p.max_new_tokens,
             min_new_tokens=p.min_new_tokens,
@@ -391,20 +317,41 @@ def create_app(
         return await run_command("resume", tags=(body or MemoryBody()).tags)
 
     @app.post("/init_weights_update_group")
-    async def init_weights_group(body: InitWeightsGroupBody) -> dict[str, Any]:
+    async def init_weights_group(body: InitWeightsGroupBody) -> Any:
         if body.backend not in ("nccl", "gloo"):
             raise RequestError(
                 f"backend must be nccl (GPU) or gloo (CPU), got {body.backend!r}", "backend"
             )
-        return await run_command(
-            "init_weights_group",
+        if engine.closing:
+            return _error(503, "the server is shutting down")
+        answer = engine.join_weight_group(
             master_address=body.master_address,
-            master_port=int(body.master_port),
+            master_port=body.master_port,
             rank_offset=body.rank_offset,
             world_size=body.world_size,
             group_name=body.group_name,
             backend=body.backend,
         )
+        # the join gives up after engine.weight_group_timeout; past that (a frozen
+        # engine loop) or on a shutdown signal, this answer gives up on it
+        waiting = asyncio.wrap_future(answer)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + engine.weight_group_timeout + JOIN_ANSWER_SLACK_S
+        while not waiting.done():
+            if engine.closing or loop.time() > deadline:
+                answer.cancel()
+                if engine.closing:
+                    return _error(503, "the server is shutting down; the join was abandoned")
+                return _join_failed(f"no answer in {engine.weight_group_timeout:g} s")
+            await asyncio.wait({waiting}, timeout=0.1)
+        error = waiting.exception()
+        if isinstance(error, RequestError):
+            raise error
+        if error is not None:
+            # c10d errors carry a C++ stack after their first line
+            reason = (str(error).strip().splitlines() or [""])[0][:500]
+            return _join_failed(f"{type(error).__name__}: {reason}")
+        return waiting.result()
 
     @app.post("/update_weights_from_distributed")
     async def update_distributed(body: DistributedUpdateBody) -> dict[str, Any]:
@@ -469,6 +416,14 @@ def _parser() -> argparse.ArgumentParser:
         help="ranks this server joins a weight-update group with (the model runs on one "
         "device; TP ranks beyond the first receive every broadcast and drop it)",
     )
+    parser.add_argument(
+        "--weight-update-group-timeout",
+        type=_positive_seconds,
+        default=JOIN_TIMEOUT_S,
+        help="seconds a /init_weights_update_group join may take before it fails (default "
+        f"{JOIN_TIMEOUT_S:g}; rollout.weight_update_group_timeout); generation goes on "
+        "meanwhile",
+    )
     parser.add_argument("--log-level", default="warning")
     LIMIT_FLAGS.add_arguments(
         parser, f"the API key is read from {API_KEY_ENV}, never from the command line"
@@ -476,8 +431,23 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
+    from uvicorn.config import STARTUP_FAILURE
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, which also tells the engine at once that a signal came in."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            engine.begin_shutdown()  # pending weight-group joins answer 503 now
+            super().handle_exit(sig, frame)
 
     parser = _parser()
     args = parser.parse_args(argv)
@@ -500,11 +470,12 @@ def main(argv: list[str] | None = None) -> None:
         max_prefill_tokens=args.max_prefill_tokens,
         seed=args.random_seed,
         tp_size=args.tp_size,
+        weight_group_timeout=args.weight_update_group_timeout,
     ).start()
     if not api_key:
         logger.warning("no %s: serving %s without authentication", API_KEY_ENV, args.host)
     logger.info("serving %s on %s:%d (%s)", args.model_path, args.host, args.port, engine.device)
-    uvicorn.run(
+    config = uvicorn.Config(
         create_app(engine, api_key=api_key or None, limits=limits),
         host=args.host,
         port=args.port,
@@ -512,6 +483,11 @@ def main(argv: list[str] | None = None) -> None:
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
         **uvicorn_options(limits),
     )
+    server = Server(config)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn re-raises a captured Ctrl-C
+        server.run()
+    if not server.started:
+        sys.exit(STARTUP_FAILURE)
 
 
 if __name__ == "__main__":

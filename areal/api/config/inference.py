@@ -21,7 +21,6 @@ __all__ = [
     "vLLMConfig",
 ]
 
-DEFAULT_ADMIN_API_KEY = "areal-admin-key"
 # The SGLang range the conformance tier (tests/conformance) passes; keep pyproject's extra equal.
 MIN_SGLANG_VERSION = "0.5.10.post1"
 MAX_SGLANG_VERSION = "0.5.23"
@@ -119,8 +118,10 @@ class AgentConfig(ConfigNode):
         "", help="Agent class for mode 'online' (unused by inline agents)."
     )
     admin_api_key: str = cfg_field(
-        DEFAULT_ADMIN_API_KEY,
-        help="Proxy admin key; refused off-loopback while it is the default.",
+        "",
+        help="Proxy admin key. Unset (or the reference's public default 'areal-admin-key'): "
+        "the trainer generates a random key per run and hands it to its proxies and "
+        "workflows through their environment.",
         secret=True,
     )
     scheduling_spec: tuple[SchedulingSpec, ...] = cfg_field(
@@ -175,10 +176,6 @@ class AgentConfig(ConfigNode):
             raise FieldError("agent_cls_path", "is required when mode is 'online'")
         if len(self.scheduling_spec) != 1:
             raise FieldError("scheduling_spec", "must have exactly one entry")
-        if not self.admin_api_key.strip():
-            raise FieldError(
-                "admin_api_key", "is empty; set it (e.g. ${oc.env:SWE_RL_ADMIN_API_KEY})"
-            )
         if self.set_reward_finish_timeout < 0:
             raise FieldError("set_reward_finish_timeout", "must be >= 0")
         if self.session_timeout_seconds <= 0:
@@ -224,6 +221,12 @@ class InferenceEngineConfig(ConfigNode):
     request_timeout: float = cfg_field(
         3600, help="Seconds per inference HTTP call, and per rollout task end to end."
     )
+    weight_update_group_timeout: float = cfg_field(
+        60.0,
+        help="Seconds an inference server may take to join the trainer's weight-update group "
+        "(xccl; default 60.0): the embedded server (hf) fails the join after it, while it "
+        "keeps generating, and the client stops waiting for any server shortly after.",
+    )
     request_retries: int = cfg_field(3, help="Total attempts per inference HTTP call.")
     pause_grace_period: float = cfg_field(0.0, help="Seconds to sleep after pausing servers.")
     health_check_interval: float = cfg_field(
@@ -261,7 +264,9 @@ class InferenceEngineConfig(ConfigNode):
     )
     poll_interval: float = cfg_field(5.0, help="v2 only: seconds between polls.")
     admin_api_key: str = cfg_field(
-        DEFAULT_ADMIN_API_KEY, help="v2 only: service admin key.", secret=True
+        "",
+        help="v2 only: service admin key. Unset (or 'areal-admin-key'): a random key per run.",
+        secret=True,
     )
     api_url: str | None = cfg_field(None, help="v2 only: external service URL.")
     provider_api_key: str | None = cfg_field(
@@ -278,8 +283,6 @@ class InferenceEngineConfig(ConfigNode):
             raise FieldError(
                 "scheduling_spec", f"needs 1 or 2 entries (got {len(self.scheduling_spec)})"
             )
-        if not self.admin_api_key.strip():
-            raise FieldError("admin_api_key", "must not be blank")
         if self.max_head_offpolicyness < 0:
             raise FieldError("max_head_offpolicyness", "must be >= 0")
         if self.consumer_batch_size < 1:
@@ -290,6 +293,8 @@ class InferenceEngineConfig(ConfigNode):
             raise FieldError("request_retries", "counts total attempts and must be >= 1")
         if self.request_timeout <= 0 or self.setup_timeout <= 0:
             raise FieldError("request_timeout", "timeouts must be > 0 seconds")
+        if self.weight_update_group_timeout <= 0:
+            raise FieldError("weight_update_group_timeout", "must be > 0 seconds")
         if self.health_check_interval < 0:
             raise FieldError("health_check_interval", "must be >= 0 seconds (0 turns checks off)")
         if self.health_check_timeout <= 0:
