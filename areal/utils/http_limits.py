@@ -276,16 +276,24 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             if self._open_header_bytes > cap:
                 self._refuse(self._headers_too_large())
 
-    def on_response_complete(self) -> None:
-        # The client is still sending a body the app answered without: uvicorn drops the
-        # rest as it arrives, and each byte cancels the keep-alive timeout, so a trickle
-        # (or one byte, then silence) would hold the connection forever. It closes instead
-        # (lingering: the client reads the answer). A pipelined request means this one's
-        # body was complete.
-        unread = not self.pipeline and self.cycle is not None and self.cycle.more_body
-        if unread and not self.transport.is_closing():
-            self.transport.close()
-        super().on_response_complete()
+    def _close_if_answered_early(self, cycle: Any) -> None:
+        """Make ``cycle`` end its connection if its answer starts before its body arrived.
+
+        uvicorn would drop the rest of the body as it arrives, and each byte cancels the
+        keep-alive timeout, so a trickle (or one byte, then silence) would hold the
+        connection forever. The answer says ``connection: close`` instead (so no client
+        sends another request on it) and the connection closes after it, lingering so the
+        client reads the answer. Decided at the answer's start, never after it went out
+        as a keep-alive answer: a client could already be reusing the connection.
+        """
+        send = cycle.send
+
+        async def send_closing(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start" and cycle.more_body:
+                cycle.keep_alive = False  # uvicorn adds the header and closes after the body
+            await send(message)
+
+        cycle.send = send_closing  # run_asgi hands the app cycle.send, looked up at its start
 
     def _refuse(self, refusal: Refusal) -> None:
         self._disarm_header_timer()
@@ -332,6 +340,8 @@ class LimitedHttpProtocol(HttpToolsProtocol):
         self._in_headers = False
         self._disarm_header_timer()
         super().on_headers_complete()
+        if self.cycle is not None:
+            self._close_if_answered_early(self.cycle)
 
     # --- the header size cap ---
 

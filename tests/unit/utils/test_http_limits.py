@@ -326,6 +326,35 @@ def test_a_body_left_unread_ends_the_connection_after_the_answer():
             assert received.startswith(b"HTTP/1.1 401 ") and b"connection: close" not in received
 
 
+def test_an_answer_before_the_body_arrived_says_the_connection_closes():
+    # Closing after an answer that went out as a keep-alive one races the client, which
+    # may already be sending its next request on the connection ("Server disconnected
+    # without sending a response"): the answer itself must say connection: close.
+    limits = HttpLimits(body_timeout=5.0, header_timeout=5.0, keep_alive_timeout=5)
+    head = b"POST / HTTP/1.1\r\nhost: x\r\ncontent-length: 4\r\n\r\n"
+    with serving(limits, refusing_app) as address, socket.create_connection(address) as conn:
+        conn.settimeout(5)
+        conn.sendall(head)  # the body comes only after the answer
+        received = b""
+        while not received.endswith(b"\r\n\r\nno"):
+            chunk = conn.recv(65536)
+            assert chunk, received
+            received += chunk
+        conn.sendall(b"body")
+    assert received.startswith(b"HTTP/1.1 401 ") and b"connection: close\r\n" in received
+    # a body that arrived whole before the answer keeps the connection
+    with serving(limits, refusing_app) as address, socket.create_connection(address) as conn:
+        conn.settimeout(5)
+        for _ in range(2):
+            conn.sendall(head + b"body")
+            received = b""
+            while not received.endswith(b"\r\n\r\nno"):
+                chunk = conn.recv(65536)
+                assert chunk, received
+                received += chunk
+            assert b"connection: close" not in received
+
+
 # --- flags ---
 
 
