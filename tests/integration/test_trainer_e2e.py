@@ -21,14 +21,24 @@ import torch
 
 from areal.api.cli_args import GRPOConfig, load_expr_config
 from areal.api.scheduler_api import RPC_TOKEN_ENV, RPC_TOKEN_HEADER
+from areal.inference.auth import API_KEY_ENV
 from areal.infra.rpc.processes import descendant_pids, process_alive
+from areal.proxy.keys import DEFAULT_ADMIN_API_KEY, is_loopback_host
 from areal.trainer.rl_trainer import PPOTrainer
+from areal.utils.secrets import REDACTED, reveal
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 YAML = REPO / "examples" / "toy" / "toy_grpo.yaml"
 TRIAL_DIR = "logs/{user}/toy-grpo/{trial}"
+ARENA_TOKEN = "sentinel-arena-token-9d2b77"
+ADMIN_CALLS = (
+    ("/grant_capacity", {}),
+    ("/rl/start_session", {"task_id": "intruder"}),
+    ("/export_trajectories", {"session_id": "x"}),
+    ("/rl/stats", {}),
+)
 
 
 def _env(root: Path) -> dict[str, str]:
@@ -344,14 +354,49 @@ def test_sigkill_after_step_two_resumes_at_step_three(tmp_path):
 # --- an agent import path: proxies are started and paired with the rollout workers ---
 
 
+def _admin_call_statuses(proxy: str, keys: dict[str, str]) -> dict[tuple[str, str], int]:
+    """The proxy's answers to each admin call made with each of ``keys``."""
+    answers = {}
+    for name, key in keys.items():
+        for path, body in ADMIN_CALLS:
+            headers = {"Authorization": f"Bearer {key}"}
+            answers[(name, path)] = httpx.post(
+                f"{proxy}{path}", json=body, headers=headers
+            ).status_code
+    return answers
+
+
+def _process_environs(scheduler) -> dict[str, dict[str, str]]:
+    """The environment of every worker, and of each worker's proxy and inference server."""
+    from tests.unit.infra.test_role_secrets import environ_of
+
+    envs = {}
+    for worker_id, pid in scheduler.worker_pids().items():
+        envs[worker_id] = environ_of(pid)
+        for child in descendant_pids(pid):
+            cmdline = Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            for module, kind in (("areal.proxy.server", "proxy"), ("areal.inference", "server")):
+                if module in cmdline:
+                    envs[f"{worker_id}:{kind}"] = environ_of(child)
+    return envs
+
+
 def test_agent_import_path_runs_through_the_proxies(tmp_path, monkeypatch):
+    """An agent runs through one proxy per rollout worker. No admin key is set: the run
+    uses a random one of its own, so the proxy (on the host's outward address) refuses
+    admin calls with the printed form ``<redacted>`` (which an unset key used to load as)
+    or the reference's public default, and each process holds only its own secrets."""
     from examples.toy.chat_agent import make_chat_dataset
     from examples.toy.train import build_inputs
 
     monkeypatch.setenv("AREAL_FILEROOT", str(tmp_path))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv(RPC_TOKEN_ENV, raising=False)
-    admin = "toy-admin-key-5f1e2d"
+    monkeypatch.setenv("ARENA_OPENAPI_TOKEN", ARENA_TOKEN)  # the controller's credentials
+    scratch = tmp_path / "tmp"  # the run's temporary files, and what is left of them
+    scratch.mkdir()
+    monkeypatch.setenv("TMPDIR", str(scratch))
+    for name in (RPC_TOKEN_ENV, "SWE_RL_ADMIN_API_KEY", "AREAL_ALLOW_DEFAULT_ADMIN_KEY"):
+        monkeypatch.delenv(name, raising=False)
     config, _ = load_expr_config(
         [
             "--config",
@@ -359,17 +404,27 @@ def test_agent_import_path_runs_through_the_proxies(tmp_path, monkeypatch):
             "trial_name=agent",
             "total_train_steps=2",
             "gconfig.n_samples=2",
-            f"rollout.agent.admin_api_key={admin}",
             "rollout.agent.chat_template_type=concat",
         ],
         GRPOConfig,
     )
+    assert reveal(config.rollout.agent.admin_api_key) == ""  # nothing set
     build_inputs(config)  # builds the tiny model
     seen = {}
+    security = {}
 
     class Trainer(PPOTrainer):
         def after_step(self, step_info, stats):
             seen[step_info.global_step] = (list(self.rollout.proxy_addrs), dict(stats))
+            if step_info.global_step == 0:
+                key = reveal(self.config.rollout.agent.admin_api_key)
+                public = {"printed": REDACTED, "default": DEFAULT_ADMIN_API_KEY}
+                security.update(
+                    key=key,
+                    refused=_admin_call_statuses(self.rollout.proxy_addrs[0], public),
+                    own=_admin_call_statuses(self.rollout.proxy_addrs[0], {"own": key}),
+                    envs=_process_environs(self.scheduler),
+                )
 
     with Trainer(config, make_chat_dataset(16)) as trainer:
         # two calls per episode that the proxy counts as a concat prefix mismatch and a
@@ -391,8 +446,29 @@ def test_agent_import_path_runs_through_the_proxies(tmp_path, monkeypatch):
         assert 0.0 <= stats["rollout/pass@k"] <= 1.0
     dumps = _dumps(tmp_path, "agent", steps=2)  # 4 prompts x 2 samples x 2 calls per step
     assert sorted(dumps) == [0, 1] and all(len(v) == 16 for v in dumps.values())
-    # the proxy stopped with its rollout worker
+    # the proxy stopped with its rollout worker, and no barrier file was left behind
     assert _processes_mentioning("areal.proxy.server") == []
+    assert [p.name for p in scratch.iterdir() if p.name.startswith("areal-barrier")] == []
+
+    # the admin key: off loopback, only the run's own random key manages sessions
+    host = proxies[0].removeprefix("http://").rsplit(":", 1)[0]
+    assert not is_loopback_host(host), host
+    assert set(security["refused"].values()) == {403}, security["refused"]
+    assert security["own"][("own", "/grant_capacity")] == 200
+    key = security["key"]
+    assert len(key) >= 40 and key not in (REDACTED, DEFAULT_ADMIN_API_KEY)
     for path in _trial_dir(tmp_path, "agent").rglob("*"):
         if path.is_file():
-            assert admin not in path.read_text(errors="replace"), path
+            assert key not in path.read_text(errors="replace"), path
+    # each process holds only the secrets it uses
+    envs = security["envs"]
+    holding_key = {w: sorted(k for k, v in env.items() if v == key) for w, env in envs.items()}
+    actors = [w for w in envs if w.startswith("actor/")]
+    assert actors and all(holding_key[w] == [] for w in actors)
+    assert holding_key["rollout/0"] == ["AREAL_SECRET_ROLLOUT_AGENT_ADMIN_API_KEY"]
+    assert holding_key["rollout/0:proxy"] == ["SWE_RL_ADMIN_API_KEY"]
+    assert holding_key["rollout/0:server"] == []
+    for worker, env in envs.items():
+        assert (env.get("ARENA_OPENAPI_TOKEN") == ARENA_TOKEN) == (worker == "rollout/0"), worker
+        assert (RPC_TOKEN_ENV in env) == (":" not in worker), worker  # workers, not children
+        assert (API_KEY_ENV in env) == worker.startswith("rollout/0"), worker

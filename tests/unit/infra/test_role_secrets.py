@@ -56,15 +56,21 @@ def _admin_digest(scheduler: LocalScheduler, worker_id: str) -> str:
     return scheduler.call_engine(worker_id, "admin_key_digest")
 
 
-def test_trainers_get_only_the_rpc_token_and_rollout_workers_their_secrets(scheduler):
-    scheduler.create_workers(Job("actor", 1, [SchedulingSpec(port_count=1)]))
-    scheduler.create_workers(Job("rollout", 1, [SchedulingSpec(port_count=1)], secrets="rollout"))
+def test_each_role_gets_only_the_secrets_it_uses(scheduler):
+    spec = SchedulingSpec(port_count=1)
+    scheduler.create_workers(Job("actor", 1, [spec]))
+    scheduler.create_workers(Job("rollout", 1, [spec], secrets="rollout"))
     (actor,) = scheduler.get_workers("actor", timeout=60.0)
     (rollout,) = scheduler.get_workers("rollout", timeout=60.0)
+    # a rollout worker forked beside a trainer (colocation) reads its secrets from a file
+    fork = SchedulingStrategy(type="colocation", target="actor", fork=True)
+    scheduler.create_workers(Job("eval-rollout", 1, [SchedulingSpec()], fork, secrets="rollout"))
+    (forked,) = scheduler.get_workers("eval-rollout", timeout=60.0)
     pids = scheduler.worker_pids()
     actor_env, rollout_env = environ_of(pids[actor.id]), environ_of(pids[rollout.id])
+    forked_env = environ_of(pids[forked.id])
 
-    for env in (actor_env, rollout_env):
+    for env in (actor_env, rollout_env, forked_env):
         assert env[RPC_TOKEN_ENV] == scheduler.rpc_token.reveal()
         assert "SWE_RL_ADMIN_API_KEY" not in env  # config secrets go by their own names
         assert WANDB_KEY not in "\0".join(env.values())  # logger keys stay on the controller
@@ -79,31 +85,17 @@ def test_trainers_get_only_the_rpc_token_and_rollout_workers_their_secrets(sched
     assert rollout_env["ARENA_OPENAPI_TOKEN"] == ARENA_TOKEN
     assert rollout_env[API_KEY_ENV] == scheduler.inference_api_key.reveal()
 
-    # the same rollout config: the rollout worker reads the key, the trainer gets it empty
-    assert _admin_digest(scheduler, rollout.id) == sha(SENTINEL)
-    assert _admin_digest(scheduler, actor.id) == sha("")
-
-
-def test_a_rollout_worker_forked_beside_a_trainer_gets_its_secrets_from_a_private_file(
-    scheduler,
-):
-    scheduler.create_workers(Job("actor", 1, [SchedulingSpec(port_count=1)]))
-    scheduler.get_workers("actor", timeout=60.0)
-    fork = SchedulingStrategy(type="colocation", target="actor", fork=True)
-    scheduler.create_workers(Job("rollout", 1, [SchedulingSpec()], fork, secrets="rollout"))
-    (rollout,) = scheduler.get_workers("rollout", timeout=60.0)
-    pids = scheduler.worker_pids()
-    actor_env, child_env = environ_of(pids["actor/0"]), environ_of(pids[rollout.id])
-
-    assert ADMIN_ENV not in actor_env and "ARENA_OPENAPI_TOKEN" not in actor_env
-    # the child was started with only the file's path; the secrets are in no process
-    # environment that the parent could have handed down
-    assert SECRETS_FILE_ENV in child_env and ADMIN_ENV not in child_env
-    secrets_file = Path(child_env[SECRETS_FILE_ENV])
+    # the forked child was started with only the file's path: its secrets are in no process
+    # environment the trainer beside it could have handed down
+    assert SECRETS_FILE_ENV in forked_env and ADMIN_ENV not in forked_env
+    secrets_file = Path(forked_env[SECRETS_FILE_ENV])
     assert stat.S_IMODE(secrets_file.stat().st_mode) == 0o600
     assert stat.S_IMODE(secrets_file.parent.stat().st_mode) == 0o700
-    # ... and it reads them from the file at start
+
+    # the same rollout config: rollout workers read the key, the trainer gets it empty
     assert _admin_digest(scheduler, rollout.id) == sha(SENTINEL)
+    assert _admin_digest(scheduler, forked.id) == sha(SENTINEL)
+    assert _admin_digest(scheduler, actor.id) == sha("")
 
     scheduler.delete_workers()
     assert not secrets_file.exists()

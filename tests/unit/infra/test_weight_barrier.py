@@ -123,36 +123,6 @@ def test_no_barrier_file_is_left_however_the_owner_ends(tmp_path, end, status):
     assert list(tmp.iterdir()) == []  # no /tmp/areal-barrier-*.bin, for any ending
 
 
-RUN = """
-import sys, time
-from areal.api.cli_args import InferenceEngineConfig
-from areal.engine import RemoteSGLangEngine
-from tests.fakes.live_server import ScriptedASGI, serve
-from tests.fakes.scripted_http import ScriptedHTTP, reply
-
-tokenizer = sys.argv[1]
-stand_in = ScriptedHTTP().on("GET", "/health", reply(200, {"status": "ok"}))
-with serve(ScriptedASGI(stand_in)) as url:
-    config = InferenceEngineConfig(backend="sglang:d1")
-    config.agent.admin_api_key = "admin-key-for-barrier-tests-7c2"
-    engine = RemoteSGLangEngine(config)
-    engine.initialize(addr=url.removeprefix("http://"))
-    print(engine.launch_proxy(tokenizer_path=tokenizer), flush=True)  # attached, healthy
-    time.sleep(120)  # until the scheduler stops the worker's process group
-"""
-
-
-def test_a_stopped_rollout_worker_and_its_proxy_leave_no_barrier_file(tmp_path, tiny_model_dir):
-    # the end of a clean run: the worker and its proxy are stopped, engine.destroy() unrun
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    argv = [sys.executable, "-c", RUN, str(tiny_model_dir)]
-    returncode, first = _run_until_its_end(argv, "signal", tmp)
-    assert first.startswith("http://"), first  # the proxy attached to the barrier
-    assert returncode == -signal.SIGTERM
-    assert sorted(p.name for p in tmp.iterdir() if "barrier" in p.name) == []
-
-
 # --- the controller's barrier ---
 
 
