@@ -8,7 +8,6 @@ recover handler the trainer uses, and a real full disk (a small tmpfs, filled up
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from pathlib import Path
 
@@ -29,6 +28,9 @@ from areal.infra.controller.train_controller import TrainController
 from areal.infra.scheduler.local import LocalScheduler
 from areal.utils import name_resolve
 from areal.utils.recover import RecoverHandler, StepInfo
+from tests.helpers.small_disk import small_tmpfs
+
+pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 ACTOR = "areal.trainer.ppo.actor.FSDPPPOActor"
@@ -38,20 +40,9 @@ REPORTED_WITHIN = 30.0  # seconds from the start of the save to the error
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 4 MiB tmpfs (needs root, as on CI), unmounted afterwards."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
+    """A 4 MiB tmpfs, unmounted afterwards."""
+    with small_tmpfs(tmp_path / "disk", "4m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
 
 
 @pytest.fixture

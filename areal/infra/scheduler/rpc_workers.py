@@ -30,13 +30,9 @@ teardown.
 from __future__ import annotations
 
 import abc
-import atexit
 import concurrent.futures
-import contextlib
 import os
-import secrets
 import shlex
-import signal
 import sys
 import threading
 import time
@@ -45,18 +41,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from areal.api.cli_args import SchedulingSpec
-from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Scheduler, Worker
-from areal.inference.auth import API_KEY_ENV
+from areal.api.scheduler_api import Job, Scheduler, Worker
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.processes import LoggedProcess
-from areal.infra.rpc.secret_env import (
-    ROLLOUT_CREDENTIAL_VARS,
-    SECRETS_FILE_ENV,
-    SecretScope,
-    config_secrets,
-    scoped_config_secrets,
-    secrets_file_text,
-)
+from areal.infra.rpc.secret_env import SECRETS_FILE_ENV, SecretScope
 from areal.infra.rpc.serialization import SerializationError
 from areal.infra.scheduler.exceptions import (
     RPCAuthenticationError,
@@ -67,10 +55,12 @@ from areal.infra.scheduler.exceptions import (
     WorkerNotFoundError,
     WorkerTimeoutError,
 )
+from areal.infra.scheduler.run_secrets import RunSecrets
+from areal.infra.scheduler.teardown import teardown
 from areal.utils import logging, name_resolve, names
 from areal.utils.config_utils import redact_sensitive_config
 from areal.utils.paths import get_log_path
-from areal.utils.secrets import SecretStr, refuse_printed_form
+from areal.utils.secrets import SecretStr
 
 __all__ = [
     "FORK_HEALTH_TIMEOUT",
@@ -158,20 +148,9 @@ class RPCWorkerScheduler(Scheduler):
         self.startup_timeout = startup_timeout
         self.stop_grace = stop_grace
         self.destroy_timeout = destroy_timeout
-        given = refuse_printed_form(os.environ.get(RPC_TOKEN_ENV), f"${RPC_TOKEN_ENV}")
-        self._token = SecretStr(given or secrets.token_urlsafe(32))
-        logging.register_secret(self._token)
-        # one inference-server API key per run: every rollout worker's servers and proxies
-        # share it (the backend passes it like the token); controller-side probes read it
-        # from :attr:`inference_api_key`
-        given = refuse_printed_form(os.environ.get(API_KEY_ENV), f"${API_KEY_ENV}")
-        self._inference_key = SecretStr(given.strip() or secrets.token_urlsafe(32))
-        logging.register_secret(self._inference_key)
-        # every secret of the config, exported to the roles that use it (never in a body)
-        self._config_secrets = config_secrets(exp_config)
-        for secret in self._config_secrets.values():
-            logging.register_secret(secret)
-        self._scopes: dict[str, SecretScope] = {}  # role -> the secrets its workers get
+        self.log_dir = get_log_path(self.fileroot, self.experiment_name, self.trial_name)
+        # the token, the inference key and the config's secrets; each role gets its own
+        self._secrets = RunSecrets(exp_config, self.log_dir / ".secrets")
         self._roles: dict[str, WorkerRole] = {}
         self._handles: dict[str, WorkerHandle] = {}
         self._lock = threading.RLock()
@@ -183,9 +162,7 @@ class RPCWorkerScheduler(Scheduler):
             name_resolve.claim_subtree(trial_root)  # ours (0700) before any worker registers
         except name_resolve.UnsafeNameRecordError as e:
             raise WorkerConfigurationError(str(e)) from None
-        self.log_dir = get_log_path(self.fileroot, self.experiment_name, self.trial_name)
-        self._secrets_dir = self.log_dir / ".secrets"
-        _teardown.register(self)
+        teardown.register(self)
 
     # --- what a backend provides ---
 
@@ -236,50 +213,27 @@ class RPCWorkerScheduler(Scheduler):
     @property
     def inference_api_key(self) -> SecretStr:
         """The run's inference-server API key (``$AREAL_INFERENCE_API_KEY`` on workers)."""
-        return self._inference_key
-
-    def secret_scope(self, role: str) -> SecretScope:
-        """Which secrets ``role``'s workers get (``Job.secrets`` of its job)."""
-        with self._lock:
-            return self._scopes.get(role, "none")
-
-    def worker_secrets(self, role: str) -> dict[str, str]:
-        """Variables ``role``'s workers get through a private channel: the RPC token, and
-        for rollout workers the inference API key, the rollout and Arena secrets of the
-        config (``AREAL_SECRET_*``) and the Arena credentials of this environment."""
-        found = {RPC_TOKEN_ENV: self._token.reveal()}
-        scope = self.secret_scope(role)
-        if scope == "rollout":
-            found[API_KEY_ENV] = self._inference_key.reveal()
-            found.update(
-                (name, os.environ[name]) for name in ROLLOUT_CREDENTIAL_VARS if os.environ.get(name)
-            )
-        for name, secret in scoped_config_secrets(self._config_secrets, scope).items():
-            found[name] = secret.reveal()
-        return found
-
-    def _write_secrets(self, role: str, secrets: dict[str, str]) -> Path:
-        """A mode-0600 file of ``export`` lines in the trial's private secrets directory."""
-        self._secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        os.chmod(self._secrets_dir, 0o700)
-        path = self._secrets_dir / f"{role}.env"
-        path.unlink(missing_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets_file_text(secrets))
-        return path
-
-    def _remove_secrets(self) -> None:
-        if self._secrets_dir.is_dir():
-            for path in self._secrets_dir.glob("*.env"):
-                path.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # something else was put there
-                self._secrets_dir.rmdir()
+        return self._secrets.inference_key
 
     @property
     def rpc_token(self) -> SecretStr:
         """The token workers expect (for controller-side servers that workers call back)."""
-        return self._token
+        return self._secrets.token
+
+    def secret_scope(self, role: str) -> SecretScope:
+        """Which secrets ``role``'s workers get (``Job.secrets`` of its job)."""
+        return self._secrets.scope(role)
+
+    def worker_secrets(self, role: str) -> dict[str, str]:
+        """The variables ``role``'s workers get through a private channel (the backend's
+        business: their environment, or a mode-0600 file), never a command line."""
+        return self._secrets.for_role(role)
+
+    def _write_secrets(self, role: str, values: dict[str, str]) -> Path:
+        return self._secrets.write_file(role, values)
+
+    def _remove_secrets(self) -> None:
+        self._secrets.remove_files()
 
     def __enter__(self) -> RPCWorkerScheduler:
         return self
@@ -295,8 +249,7 @@ class RPCWorkerScheduler(Scheduler):
         if job.replicas < 1:
             raise WorkerCreationError(f"role {role!r}: replicas must be >= 1 (got {job.replicas})")
         specs = self._specs(job)
-        with self._lock:
-            self._scopes[role] = job.secrets
+        self._secrets.set_scope(role, job.secrets)
         strategy = job.scheduling_strategy
         if strategy is not None and strategy.type == "colocation":
             target = self._role(strategy.target)
@@ -430,14 +383,14 @@ class RPCWorkerScheduler(Scheduler):
         return True
 
     def _make_client(self, h: WorkerHandle, address: str) -> RPCClient:
-        given = scoped_config_secrets(self._config_secrets, self.secret_scope(h.role))
+        given, withheld = self._secrets.for_requests(h.role)
         return RPCClient(
             address,
-            token=self._token,
+            token=self.rpc_token,
             worker_id=h.id,
             liveness_check=lambda: self._check_alive(h),
             secret_env=given,
-            withheld_secrets=[v for k, v in self._config_secrets.items() if k not in given],
+            withheld_secrets=withheld,
         )
 
     def _finish_worker(self, h: WorkerHandle, extra_ports: int) -> Worker:
@@ -636,7 +589,7 @@ class RPCWorkerScheduler(Scheduler):
         for r in order:
             self._delete_role(r)
         if role is None:
-            _teardown.unregister(self)
+            teardown.unregister(self)
             self._remove_secrets()
             self._after_teardown()
 
@@ -710,56 +663,3 @@ def controller_python_path() -> str:
     original = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     paths = [os.getcwd(), *(p for p in sys.path if p), *original]
     return os.pathsep.join(dict.fromkeys(paths))
-
-
-class _Teardown:
-    """Process-wide exit hooks: ``atexit`` plus SIGINT/SIGTERM handlers that chain on."""
-
-    def __init__(self) -> None:
-        self._live: set[RPCWorkerScheduler] = set()
-        self._lock = threading.Lock()
-        self._previous: dict[int, Any] = {}
-        self._atexit_registered = False
-
-    def register(self, scheduler: RPCWorkerScheduler) -> None:
-        with self._lock:
-            self._live.add(scheduler)
-            if not self._atexit_registered:
-                atexit.register(self.stop_all)
-                self._atexit_registered = True
-            if not self._previous and threading.current_thread() is threading.main_thread():
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    self._previous[sig] = signal.signal(sig, self._on_signal)
-
-    def unregister(self, scheduler: RPCWorkerScheduler) -> None:
-        with self._lock:
-            self._live.discard(scheduler)
-            in_main = threading.current_thread() is threading.main_thread()
-            if not self._live and self._previous and in_main:
-                for sig, handler in self._previous.items():
-                    signal.signal(sig, handler)
-                self._previous.clear()
-
-    def stop_all(self) -> None:
-        with self._lock:
-            live = list(self._live)
-            self._live.clear()
-        for scheduler in live:
-            scheduler._emergency_stop()
-            scheduler._remove_secrets()
-
-    def _on_signal(self, signum: int, frame: Any) -> None:
-        self.stop_all()
-        previous = self._previous.get(signum)
-        with self._lock:
-            for sig, handler in self._previous.items():
-                signal.signal(sig, handler)
-            self._previous.clear()
-        if callable(previous):
-            previous(signum, frame)
-        elif previous in (signal.SIG_DFL, None):
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
-
-
-_teardown = _Teardown()

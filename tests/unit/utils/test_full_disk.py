@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,26 +13,16 @@ from areal.api.cli_args import RecoverConfig
 from areal.api.io_struct import FinetuneSpec, SaveLoadMeta
 from areal.engine.checkpoint import write_error
 from areal.utils.recover import RecoverHandler, RecoverWriteError, StepInfo
+from tests.helpers.small_disk import small_tmpfs
 
 FT_SPEC = FinetuneSpec(total_train_epochs=1, dataset_size=8, train_batch_size=2)
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 1 MiB tmpfs (needs root, as on CI), unmounted afterwards."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs: {mounted.stderr.strip()}")
-    try:
+    """A 1 MiB tmpfs, unmounted afterwards."""
+    with small_tmpfs(tmp_path / "disk", "1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", "--lazy", str(mount_point)], check=True)
 
 
 class TinyEngine:
