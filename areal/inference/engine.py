@@ -2,11 +2,10 @@
 
 Requests queue up; each iteration the thread admits waiting requests (prefilled together,
 then merged into the running batch) and advances every running request by one token.
-Control commands (pause, abort, weight reload, ...) run between iterations, so a forward
-pass never races a weight swap. Results go back through ``concurrent.futures.Future``.
-Joining a weight-update group waits on the network, so only its start and its end are
-commands: the join itself runs on its own threads, bounded by ``weight_group_timeout``,
-and generation goes on meanwhile (:meth:`GenerationEngine.join_weight_group`).
+Control commands (pause, abort, memory release, weight updates, ...) run between iterations,
+so a forward pass never races a weight swap. Results go back through
+``concurrent.futures.Future``. The weight-update commands live in
+:mod:`areal.inference.weight_updates`.
 
 A failure that can be pinned on one request fails that request alone: a prefill forward
 pass that raises is retried one request at a time, and a row the sampler cannot sample
@@ -22,20 +21,16 @@ import concurrent.futures
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from areal.inference.batch import RunningBatch, cache_kwarg, prefill_inputs
+from areal.inference.errors import RequestError, SequenceError, settle
 from areal.inference.sampling import SamplingParams, SamplingParamsError, sample_tokens
-from areal.inference.weight_group import (
-    BROADCAST_TIMEOUT_S,
-    JOIN_TIMEOUT_S,
-    WeightUpdateRanks,
-    start_weight_update_group_join,
-)
+from areal.inference.weight_group import JOIN_TIMEOUT_S
+from areal.inference.weight_updates import WeightUpdates
 from areal.utils import logging
 
 __all__ = [
@@ -51,33 +46,6 @@ logger = logging.getLogger("inference.engine")
 ABORT_BEFORE_PREFILL = "Abort before prefill"
 # a loop turn that takes longer than this (no step or command does) is a frozen server
 STALL_SECONDS = 60.0
-
-
-class RequestError(ValueError):
-    """A request the server refuses (reported as HTTP 400, naming the field)."""
-
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
-
-
-class SequenceError(RuntimeError):
-    """Generation failed for this request alone (the others batched with it go on)."""
-
-
-def _settle(
-    future: concurrent.futures.Future, result: Any = None, error: BaseException | None = None
-) -> None:
-    """Resolve ``future`` unless it is already done (e.g. cancelled by a deadline)."""
-    if future.done():
-        return
-    try:
-        if error is None:
-            future.set_result(result)
-        else:
-            future.set_exception(error)
-    except concurrent.futures.InvalidStateError:
-        pass  # cancelled between the check and the set
 
 
 @dataclass
@@ -111,7 +79,7 @@ class _Sequence:
     output_logprobs: list[float] = field(default_factory=list)
 
 
-class GenerationEngine:
+class GenerationEngine(WeightUpdates):
     """Continuous batching over a ``transformers`` causal LM."""
 
     def __init__(
@@ -163,13 +131,7 @@ class GenerationEngine:
         self._heartbeat = time.monotonic()  # the loop's last turn (see :meth:`stalled_for`)
         self._stopping = False
         self._closing = False  # a shutdown began (see begin_shutdown)
-        # ranks of weight-update groups, by group name (see areal.inference.weight_group),
-        # and the joins still under way; both only touched on the engine thread
-        self._weight_groups: dict[str, WeightUpdateRanks] = {}
-        self._joining: dict[str, concurrent.futures.Future] = {}
-        if weight_group_timeout <= 0:
-            raise ValueError(f"weight_group_timeout must be > 0, got {weight_group_timeout}")
-        self.weight_group_timeout = float(weight_group_timeout)
+        self._init_weight_groups(weight_group_timeout)
         self.tp_devices = self._tp_devices(tp_size)
         self._thread = threading.Thread(target=self._loop, name="generation-engine", daemon=True)
         self.stats = collections.Counter()
@@ -305,37 +267,6 @@ class GenerationEngine:
         self._wake.set()
         return future
 
-    def join_weight_group(
-        self,
-        *,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str,
-        backend: str = "nccl",
-    ) -> concurrent.futures.Future:
-        """Join the trainer's weight-update group while generation goes on.
-
-        The future resolves to the answer once the group is ready for
-        ``update_weights_distributed``. It fails with :class:`RequestError` for a spec
-        this server refuses, or with the join's error (``TimeoutError`` after
-        :attr:`weight_group_timeout` when the trainer is unreachable). Cancel it to
-        abandon the join.
-        """
-        answer: concurrent.futures.Future = concurrent.futures.Future()
-        spec = dict(
-            master_address=master_address,
-            master_port=int(master_port),
-            rank_offset=int(rank_offset),
-            world_size=int(world_size),
-            group_name=group_name,
-            backend=backend,
-        )
-        started = self.command("start_weight_group_join", answer=answer, **spec)
-        started.add_done_callback(lambda f: _settle_on_error(f, answer))
-        return answer
-
     @property
     def paused(self) -> bool:
         return self._paused
@@ -374,9 +305,9 @@ class GenerationEngine:
             try:
                 result = getattr(self, f"_cmd_{name}")(**kwargs)
             except Exception as e:
-                _settle(future, error=e)
+                settle(future, error=e)
             else:
-                _settle(future, result)
+                settle(future, result)
 
     def _take_waiting(self) -> list[_Sequence]:
         group: list[_Sequence] = []
@@ -523,7 +454,7 @@ class GenerationEngine:
         self.stats["failed_requests"] += 1
         failure = SequenceError(f"generation failed in {stage}: {error}")
         failure.__cause__ = error
-        _settle(seq.future, error=failure)
+        settle(seq.future, error=failure)
 
     def _finish_reason(self, seq: _Sequence) -> dict[str, Any] | None:
         token = seq.output_ids[-1]
@@ -550,7 +481,7 @@ class GenerationEngine:
             latency=now - seq.created,
             ttft=None if seq.first_token is None else seq.first_token - seq.created,
         )
-        _settle(seq.future, result)
+        settle(seq.future, result)
 
     def _abort_all(self, message: str, include_waiting: bool, rid: str | None = None) -> int:
         aborted = 0
@@ -577,7 +508,7 @@ class GenerationEngine:
 
     def _fail_running(self, error: Exception) -> None:
         for seq in [*self._running, *self._admitting]:
-            _settle(seq.future, error=error)
+            settle(seq.future, error=error)
         self._running = []
         self._admitting = []
         self._batch.clear()
@@ -601,120 +532,6 @@ class GenerationEngine:
 
     def _cmd_abort(self, rid: str | None = None) -> dict[str, Any]:
         return {"success": True, "aborted": self._abort_all("Aborted by request", True, rid)}
-
-    def _cmd_update_weights(
-        self, model_path: str, abort_all_requests: bool = True
-    ) -> dict[str, Any]:
-        state = _read_state_dict(Path(model_path), self.device)
-        current = self.model.state_dict()
-        missing = sorted(k for k in set(current) - set(state) if not _is_tied(self.model, k))
-        if missing:
-            raise RequestError(f"checkpoint lacks tensors of the served model: {missing[:5]}")
-        self._load_tensors(state, abort_all_requests)
-        self.model_path = str(model_path)
-        return {"success": True, "message": "Succeeded to update model weights."}
-
-    def _load_tensors(self, state: dict[str, torch.Tensor], abort_all_requests: bool) -> None:
-        """Copy ``state`` (all or part of the model's tensors) into the served model."""
-        current = self.model.state_dict()
-        unknown = sorted(set(state) - set(current))
-        if unknown:
-            raise RequestError(f"checkpoint has tensors the served model lacks: {unknown[:5]}")
-        for name, tensor in state.items():
-            if current[name].shape != tensor.shape:
-                raise RequestError(f"shape mismatch for {name}: {tuple(tensor.shape)}")
-        if abort_all_requests:
-            self._abort_all("Abort in-flight requests (weight update)", include_waiting=False)
-        with torch.no_grad():
-            for name, tensor in state.items():
-                current[name].copy_(tensor)
-        if self._running:  # cached keys/values come from the old weights
-            logger.info("weights updated with %d requests still running", len(self._running))
-
-    def _cmd_start_weight_group_join(
-        self, answer: concurrent.futures.Future, group_name: str, backend: str, **spec: Any
-    ) -> None:
-        """Start joining with ranks ``rank_offset + tp_rank``; a rejoin replaces the group."""
-        if backend == "nccl" and self.device.type != "cuda":
-            raise RequestError("an NCCL weight-update group needs a CUDA server", "backend")
-        if group_name in self._joining:
-            raise RequestError(
-                f"weight-update group {group_name!r} is already being joined; wait for that "
-                "join to end",
-                "group_name",
-            )
-        previous = self._weight_groups.pop(group_name, None)
-        if previous is not None:
-            previous.destroy()
-        try:
-            joining = start_weight_update_group_join(
-                group_name=group_name,
-                backend=backend,
-                devices=self.tp_devices,
-                timeout_s=self.weight_group_timeout,
-                **spec,
-            )
-        except ValueError as e:
-            raise RequestError(str(e), "rank_offset") from e
-        self._joining[group_name] = joining
-        joining.add_done_callback(
-            lambda f: self.command(
-                "finish_weight_group_join", group_name=group_name, joining=f, answer=answer
-            )
-        )
-
-    def _cmd_finish_weight_group_join(
-        self,
-        group_name: str,
-        joining: concurrent.futures.Future,
-        answer: concurrent.futures.Future,
-    ) -> None:
-        """Register a finished join's ranks, unless its caller gave up on it meanwhile."""
-        self._joining.pop(group_name, None)
-        error = joining.exception()
-        if error is not None:
-            _settle(answer, error=error)
-            return
-        ranks = joining.result()
-        if not answer.set_running_or_notify_cancel():  # abandoned: nobody will use it
-            ranks.destroy()
-            return
-        self._weight_groups[group_name] = ranks
-        answer.set_result(
-            {"success": True, "message": f"joined {group_name} as ranks {ranks.ranks}"}
-        )
-
-    def _cmd_update_weights_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        group_name: str,
-        abort_all_requests: bool = False,
-    ) -> dict[str, Any]:
-        """Receive one bucket broadcast from the trainer (rank 0) and load it."""
-        group = self._weight_groups.get(group_name)
-        if group is None and group_name in self._joining:
-            raise RequestError(f"weight-update group {group_name!r} is still being joined")
-        if group is None:
-            raise RequestError(f"no weight-update group {group_name!r}; init it first")
-        if not len(names) == len(dtypes) == len(shapes):
-            raise RequestError("names, dtypes and shapes must have the same length", "names")
-        current = self.model.state_dict()
-        for name, shape in zip(names, shapes, strict=True):
-            if name not in current or tuple(current[name].shape) != tuple(shape):
-                # a wrong spec would leave the trainer blocked in its broadcast: refuse
-                # before receiving, so the trainer's HTTP call fails instead
-                raise RequestError(f"tensor {name!r} of shape {shape} is not in the model")
-        torch_dtypes = []
-        for dtype in dtypes:
-            value = getattr(torch, dtype, None)
-            if not isinstance(value, torch.dtype):
-                raise RequestError(f"unknown dtype {dtype!r}", "dtypes")
-            torch_dtypes.append(value)
-        tensors = group.receive(shapes, torch_dtypes, timeout_s=BROADCAST_TIMEOUT_S)
-        self._load_tensors(dict(zip(names, tensors, strict=True)), abort_all_requests)
-        return {"success": True, "message": f"updated {len(names)} tensors"}
 
     def _cmd_release(self, tags: list[str] | None = None) -> dict[str, Any]:
         """Give the accelerator memory back (SGLang requires an idle server for it)."""
@@ -752,58 +569,3 @@ class GenerationEngine:
     @property
     def memory_released(self) -> bool:
         return self._released
-
-
-def _settle_on_error(
-    future: concurrent.futures.Future, dependent: concurrent.futures.Future
-) -> None:
-    """Fail ``dependent`` with ``future``'s error, if it has one."""
-    error = future.exception()
-    if error is not None:
-        _settle(dependent, error=error)
-
-
-def _is_tied(model: torch.nn.Module, name: str) -> bool:
-    return name == "lm_head.weight" and bool(getattr(model.config, "tie_word_embeddings", False))
-
-
-def _read_state_dict(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at ``path``, read straight onto ``device`` (no host
-    copy of the whole model first, then a pageable copy per tensor).
-
-    A path that cannot be a checkpoint (missing, not a directory, too long for the OS,
-    unreadable, no or broken ``*.safetensors``) is the request's fault: a
-    :class:`RequestError` naming ``model_path``.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    shown = _shown(str(path))
-    try:
-        files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
-    except FileNotFoundError:
-        raise RequestError(f"model_path {shown} does not exist", "model_path") from None
-    except NotADirectoryError:
-        raise RequestError(f"model_path {shown} is not a directory", "model_path") from None
-    except (OSError, ValueError) as e:  # ENAMETOOLONG, EACCES, ELOOP, an embedded NUL, ...
-        reason = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
-        raise RequestError(f"model_path {shown} cannot be read: {reason}", "model_path") from None
-    if not files:
-        raise RequestError(f"no *.safetensors checkpoint in {shown}", "model_path")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            state.update(load_file(str(file), device=str(device)))
-        except (OSError, SafetensorError) as e:
-            raise RequestError(
-                f"{_shown(file.name)} in model_path is not a readable safetensors file: {e}",
-                "model_path",
-            ) from None
-    return state
-
-
-def _shown(text: str, limit: int = 120) -> str:
-    """``text`` quoted for an error message, cut to ``limit`` characters."""
-    if len(text) <= limit:
-        return repr(text)
-    return f"{text[:limit]!r}... ({len(text)} characters)"
