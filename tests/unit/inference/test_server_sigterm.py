@@ -8,40 +8,18 @@ client of that generation must get an answer or a closed connection, not a hang.
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 
-from areal.inference.auth import API_KEY_ENV
 from areal.utils.serving import GRACEFUL_SHUTDOWN_S
-from tests.fakes.live_server import free_port
+from tests.helpers.inference_server import server_process
 
 
 def test_sigterm_with_a_generation_in_flight_exits_within_the_grace_period(tiny_model_dir):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal.inference.server", "--model-path", str(tiny_model_dir),
-         "--host", "127.0.0.1", "--port", str(port), "--device", "cpu"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-2000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up in 120 s"
-            time.sleep(0.2)
+    with server_process(tiny_model_dir) as (proc, url):
         context = httpx.get(f"{url}/get_server_info", timeout=5).json()["context_length"]
         outcomes: list[dict] = [{} for _ in range(8)]
 
@@ -69,7 +47,3 @@ def test_sigterm_with_a_generation_in_flight_exits_within_the_grace_period(tiny_
         assert not any(c.is_alive() for c in clients), "a request hung after the server stopped"
         assert all(outcomes), outcomes  # each got an answer or a closed connection
         assert took < GRACEFUL_SHUTDOWN_S + 5, took
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()

@@ -9,23 +9,20 @@ once, not after the join's timeout or the graceful-shutdown window.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 
 import httpx
 import pytest
 
-from areal.inference.auth import API_KEY_ENV
 from areal.inference.engine import GenerationEngine
 from areal.inference.server import create_app, main
 from areal.utils.serving import GRACEFUL_SHUTDOWN_S
 from tests.fakes.live_server import free_port, serve
+from tests.helpers.inference_server import server_process
 
 GENERATE = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}}
 
@@ -138,34 +135,6 @@ def test_a_second_join_of_a_group_being_joined_is_refused(tiny_model_dir):
             assert outcome.get("status") == 400, outcome
     finally:
         engine.stop()
-
-
-@contextmanager
-def server_process(model_dir, *flags: str) -> Iterator[tuple[subprocess.Popen, str]]:
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "areal.inference.server", "--model-path", str(model_dir),
-         "--host", "127.0.0.1", "--port", str(port), "--device", "cpu", *flags],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode(errors="replace")[-2000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up in 120 s"
-            time.sleep(0.2)
-        yield proc, url
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_sigterm_during_a_pending_join_exits_at_once(tiny_model_dir):
