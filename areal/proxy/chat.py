@@ -1,17 +1,12 @@
 """Chat completions on the inference engine, recorded token for token.
 
-For each request: refuse a prompt whose text alone shows it cannot fit the context
-(:mod:`areal.proxy.prompt_size`, before anything prompt-sized is built), render the prompt
-tokens (``hf``: the chat template over all messages; ``concat``: the parent's exact
+For each request: refuse a prompt whose text alone shows it cannot fit the call's token
+limit (:mod:`areal.proxy.prompt_guard`, before anything prompt-sized is built), render the
+prompt tokens (``hf``: the chat template over all messages; ``concat``: the parent's exact
 tokens, then the new turns), cap the budget, generate with ``agenerate``, decode, parse
 tool calls, and record the call as an :class:`Interaction` with the prompt tokens the
 engine received and the tokens and log-probs it returned. A call refused for its length
 is recorded without messages or tokens (its session counts it, holding none of it).
-
-The token limit of a call (prompt + completion) is ``engine_max_tokens`` when set, else
-one less than the inference server's context length when known (servers refuse a prompt
-plus ``max_new_tokens`` that reaches it), else ``DEFAULT_ENGINE_TOTAL_TOKENS``; a
-request's ``max_total_tokens`` may lower it.
 """
 
 from __future__ import annotations
@@ -24,7 +19,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -34,16 +29,18 @@ from areal.proxy.errors import ChatRequestError, ContextLengthExceededError, Inv
 from areal.proxy.interaction import Interaction, InteractionCache
 from areal.proxy.messages import MessagePreprocessor, prepare_messages
 from areal.proxy.parsers import ReasoningParser, ToolCallParser, process_tool_calls
-from areal.proxy.prompt_size import PromptSizeBound, rendered_kinds
+from areal.proxy.prompt_guard import PromptGuard, TokenLimit, total_token_limit
 from areal.proxy.validation import check_chat_request
 from areal.utils import logging, stats_tracker
 
+# TokenLimit and total_token_limit live in prompt_guard; still importable from here
 __all__ = [
     "ChatGenerator",
     "ChatRequestError",
     "ContextLengthExceededError",
     "GeneratedChat",
     "TokenLimit",
+    "total_token_limit",
 ]
 
 logger = logging.getLogger("proxy.chat")
@@ -84,26 +81,6 @@ ALLOWED_ARGS = frozenset(
     }
 )
 DEFAULT_MAX_NEW_TOKENS = 512
-DEFAULT_ENGINE_TOTAL_TOKENS = 32768
-
-
-class TokenLimit(NamedTuple):
-    """Fewer than ``tokens`` tokens per call, and what sets that limit (for messages)."""
-
-    tokens: int
-    source: str
-
-
-def total_token_limit(engine_max_tokens: int | None, context_length: int | None) -> TokenLimit:
-    """The limit of prompt + completion tokens of every call (see the module docstring)."""
-    server = None if context_length is None else context_length - 1
-    if engine_max_tokens is not None and (server is None or engine_max_tokens <= server):
-        return TokenLimit(engine_max_tokens, "--engine-max-tokens, rollout.agent.engine_max_tokens")
-    if server is not None:
-        return TokenLimit(server, f"the inference server's context length of {context_length}")
-    return TokenLimit(
-        DEFAULT_ENGINE_TOTAL_TOKENS, "the default, the inference server's context being unknown"
-    )
 
 
 @dataclass
@@ -182,7 +159,6 @@ class ChatGenerator:
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self.engine_max_tokens = engine_max_tokens
-        self.total_limit = total_token_limit(engine_max_tokens, context_length)
         self.chat_template_type = chat_template_type
         self.preprocessors = list(preprocessors or [])
         self.expected_temperature = expected_temperature
@@ -194,12 +170,11 @@ class ChatGenerator:
         self._warned: set[str] = set()
         self._warn_once = os.environ.get("AREAL_PROXY_WARN_ONCE", "") == "1"
         self._encode = self._fast_encoder()
-        # computed once: what one token can stand for, and which contents the template shows
-        self.prompt_bound = PromptSizeBound.of(tokenizer)
-        self._rendered_kinds = (
-            rendered_kinds(lambda messages: self.render_text(messages, None, None))
-            if self.prompt_bound is not None
-            else frozenset()
+        self.prompt_guard = PromptGuard(
+            tokenizer,
+            lambda messages: self.render_text(messages, None, None),
+            engine_max_tokens=engine_max_tokens,
+            context_length=context_length,
         )
 
     # --- helpers ---
@@ -293,7 +268,8 @@ class ChatGenerator:
             at = text.find(eos_text, at + 1)
             if at < 0:
                 return None
-        self._check_rendered(text, at, limit)  # the prompt has at least the tail's tokens
+        # the prompt has at least the tail's tokens: checking the tail alone is sound
+        self.prompt_guard.check_rendered(text, at, limit)
         tail = self.encode(text[at:])
         if len(tail) < 2 or tail[0] != self.eos_id:
             return None
@@ -347,11 +323,12 @@ class ChatGenerator:
             raise ChatRequestError(
                 "max_completion_tokens must be positive", "max_completion_tokens"
             )
-        total = min(prompt_len + max_new, self.total_limit.tokens)
+        total_limit = self.prompt_guard.total_limit
+        total = min(prompt_len + max_new, total_limit.tokens)
         if total <= prompt_len:
             raise ContextLengthExceededError(
                 f"len of prompt tokens ({prompt_len}) exceeds the engine's total token limit "
-                f"({total}: {self.total_limit.source})",
+                f"({total}: {total_limit.source})",
                 "messages",
             )
         return max_new, total
@@ -400,62 +377,6 @@ class ChatGenerator:
             return await asyncio.to_thread(self._from_request, fn, *args)
         return self._from_request(fn, *args)
 
-    # --- the prompt-size bound ---
-
-    def token_limit(self, body: dict[str, Any]) -> TokenLimit:
-        """The request's limit: fewer prompt tokens than this, or it cannot be served."""
-        cap = body.get("max_total_tokens")
-        if cap is not None and cap < self.total_limit.tokens:
-            return TokenLimit(cap, "the request's max_total_tokens")
-        return self.total_limit
-
-    def _too_long(self, text_bytes: int, limit: TokenLimit) -> ContextLengthExceededError:
-        bound = self.prompt_bound
-        assert bound is not None
-        return ContextLengthExceededError(
-            f"the prompt cannot fit: its {text_bytes:,}+ bytes of text take at least "
-            f"{bound.min_tokens(text_bytes):,} tokens (a token of this model stands for at "
-            f"most {bound.span} bytes), and a prompt must have fewer than {limit.tokens:,} "
-            f"tokens ({limit.source}); refused before tokenizing",
-            "messages",
-        )
-
-    def _check_messages(
-        self,
-        messages: list[dict],
-        parent: Interaction | None,
-        remaining: list[dict],
-        limit: TokenLimit,
-    ) -> None:
-        """Refuse (400) a conversation whose message text alone cannot fit ``limit``.
-
-        Reads the contents in place: nothing prompt-sized is built. In concat mode a
-        prompt may reuse its parent's tokens and tokenize only the new turns, so it is
-        refused only if that cannot fit either.
-        """
-        bound = self.prompt_bound
-        if bound is None:
-            return
-        most = bound.max_text_bytes(limit.tokens)
-        counted = bound.messages_bytes(messages, self._rendered_kinds, most)
-        if counted <= most:
-            return
-        if self.chat_template_type == "concat" and parent is not None:
-            new = bound.messages_bytes(remaining, self._rendered_kinds, most)
-            if len(parent.prompt_tokens) + bound.min_tokens(new) < limit.tokens:
-                return
-        raise self._too_long(counted, limit)
-
-    def _check_rendered(self, text: str, start: int, limit: TokenLimit) -> None:
-        """Refuse (400) a rendered prompt whose text from ``start`` cannot fit ``limit``
-        (contents not counted before rendering: tool calls, tools, dropped kinds)."""
-        bound = self.prompt_bound
-        if bound is None:
-            return
-        size = bound.text_bytes(text, start)
-        if size > bound.max_text_bytes(limit.tokens):
-            raise self._too_long(size, limit)
-
     def _render_prompt(
         self,
         parent: Interaction | None,
@@ -469,14 +390,15 @@ class ChatGenerator:
 
         The text is checked against ``limit`` before rendering and again before tokenizing.
         """
-        self._check_messages(messages, parent, remaining, limit)
+        concat_parent = parent if self.chat_template_type == "concat" else None
+        self.prompt_guard.check_messages(messages, limit, concat_parent, remaining)
         concat = None
-        if self.chat_template_type == "concat" and parent is not None:
-            concat = self._concat_prompt(parent, messages, tools, template_kwargs, limit)
+        if concat_parent is not None:
+            concat = self._concat_prompt(concat_parent, messages, tools, template_kwargs, limit)
         if concat is not None:
             return concat, concat
         text = self.render_text(messages, tools, template_kwargs)
-        self._check_rendered(text, 0, limit)
+        self.prompt_guard.check_rendered(text, 0, limit)
         return None, self.encode(text)
 
     async def create(
@@ -533,7 +455,7 @@ class ChatGenerator:
                 remaining,
                 tools,
                 template_kwargs,
-                self.token_limit(body),
+                self.prompt_guard.limit(body),
             )
             mismatch = False
             if self.chat_template_type == "concat" and parent is not None:

@@ -4,7 +4,8 @@ Tokenizing costs the proxy 100-150 bytes of memory per byte of text (the Rust to
 keeps per-byte alignments and per-token records), so a 15 MB prompt took it past 2.6 GB
 only for its token count to refuse it. But a token stands for at most ``span`` bytes of
 text, the longest entry of the vocabulary: a prompt of more than ``(limit - 1) * span``
-bytes has at least ``limit`` tokens, which its length alone shows.
+bytes has at least ``limit`` tokens, which its length alone shows
+(:mod:`areal.proxy.prompt_guard` refuses such prompts with it).
 
 The bound never refuses a prompt that fits, given:
 
