@@ -65,7 +65,8 @@ class HealthTarget:
 
 class RolloutHealthError(RuntimeError):
     """A rollout worker, inference server or rollout proxy stopped answering its health
-    checks; ``gone_with`` are the worker's servers and proxies that stopped with it."""
+    checks (``failures`` of them; 0: its scheduler saw the process exit); ``gone_with``
+    are the worker's servers and proxies that stopped with it."""
 
     def __init__(
         self,
@@ -78,15 +79,19 @@ class RolloutHealthError(RuntimeError):
         self.failures = failures
         self.detail = detail
         self.gone_with = gone_with
-        checks = "the health check" if failures == 1 else f"{failures} consecutive health checks"
+        if failures == 0:  # its scheduler saw the process exit: no probe needed to know
+            what = f"exited ({detail})"
+        elif failures == 1:
+            what = f"failed the health check (last: {detail})"
+        else:
+            what = f"failed {failures} consecutive health checks (last: {detail})"
         children = ""
         if gone_with:
             *others, last = [f"{t.kind} {t.address}" for t in gone_with]
             names = f"{', '.join(others)} and {last}" if others else last
             children = f"; its {names} stopped answering with it"
         super().__init__(
-            f"{target.describe()} failed {checks} (last: {detail}){children}; "
-            "rollout dispatch stopped and the run is failed"
+            f"{target.describe()} {what}{children}; rollout dispatch stopped and the run is failed"
         )
 
 

@@ -55,6 +55,7 @@ from areal.infra.controller.health import (
     HealthTarget,
     RolloutHealthError,
 )
+from areal.infra.scheduler.exceptions import WorkerFailedError
 from areal.infra.staleness_manager import StalenessManager
 from areal.utils import logging, stats_tracker
 
@@ -448,7 +449,16 @@ class RolloutController:
         while not self._stopping:
             try:
                 finished = self._call(worker, "collect_finished", ack, timeout=COLLECT_TIMEOUT)
-            except Exception as e:  # a dead worker is the health supervisor's to report
+            except WorkerFailedError as e:
+                # the scheduler saw the process exit: fail now, not after the health checks
+                if not self._stopping:
+                    target = HealthTarget(ROLLOUT_WORKER, worker.address, worker.id)
+                    detail = f"its process exited with code {e.exit_code}"
+                    if e.logs.strip():
+                        detail += f"; last log lines:\n{e.logs.strip()}"
+                    self._on_health_failure(RolloutHealthError(target, 0, detail))
+                return
+            except Exception as e:  # anything else dead is the health supervisor's to report
                 if not self._stopping:
                     logger.warning("collecting finished tasks from %s failed: %s", worker.id, e)
                     time.sleep(COLLECT_TIMEOUT)
