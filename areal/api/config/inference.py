@@ -231,16 +231,16 @@ class InferenceEngineConfig(ConfigNode):
     pause_grace_period: float = cfg_field(0.0, help="Seconds to sleep after pausing servers.")
     health_check_interval: float = cfg_field(
         5.0,
-        help="Seconds between health checks of every server and rollout worker (default 5.0; "
-        "0 turns the checks off).",
+        help="Seconds between health checks of every rollout worker, inference server and "
+        "rollout proxy (default 5.0; 0 turns the checks off).",
     )
     health_check_timeout: float = cfg_field(
         5.0, help="Seconds one health check may take before it counts as failed (default 5.0)."
     )
     health_check_failures: int = cfg_field(
         3,
-        help="Consecutive failed health checks that declare a server or worker dead and fail "
-        "the run (default 3).",
+        help="Consecutive failed health checks that declare a worker, server or proxy dead "
+        "and fail the run (default 3).",
     )
     max_consecutive_rejections: int = cfg_field(
         256,
