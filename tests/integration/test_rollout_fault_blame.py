@@ -1,13 +1,16 @@
 """A killed rollout worker or rollout proxy fails the rollout within 30 s at the default
 health settings, and the error names what was killed.
 
-Real processes: the local scheduler starts one rollout worker, which launches its embedded
-inference server (the tiny model) and its rollout proxy; the controller supervises all
-three. The trainer would see the error from ``prepare_batch``, which waits as ``wait`` does.
+Real processes: the local scheduler starts two rollout workers for two controllers (the
+training and the evaluation rollout), each launching its embedded inference server (the
+tiny model) and its rollout proxy; each controller supervises its three. One worker is
+killed with its children, the other worker's proxy alone, at once. The trainer would see
+the errors from ``prepare_batch``, which waits as ``wait`` does.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import signal
@@ -35,6 +38,7 @@ from areal.utils import name_resolve
 pytestmark = pytest.mark.slow
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+ROLES = ("rollout", "eval-rollout")
 REPORTED_WITHIN = 30.0  # seconds from the kill to the error
 WAIT_AT_MOST = 45.0  # longer, so a late report shows as too late rather than as missing
 
@@ -48,8 +52,9 @@ class RolloutExperiment(BaseExperimentConfig):
 
 
 @pytest.fixture
-def rollout(tmp_path, tiny_model_dir, monkeypatch):
-    """A rollout controller over one real worker, its server and its proxy."""
+def rollouts(tmp_path, tiny_model_dir, monkeypatch):
+    """Two rollout controllers (roles ``rollout`` and ``eval-rollout``), each over one real
+    worker, its server and its proxy, started side by side; ``{role: (controller, pid)}``."""
     monkeypatch.delenv(RPC_TOKEN_ENV, raising=False)
     monkeypatch.chdir(REPO_ROOT)
     files = tmp_path / "files"
@@ -80,13 +85,22 @@ def rollout(tmp_path, tiny_model_dir, monkeypatch):
         port=0,
     )
     del server_args["host"], server_args["port"]  # chosen by the worker
-    controller = RolloutController(config, scheduler)
-    try:
+    controllers = {role: RolloutController(config, scheduler, role=role) for role in ROLES}
+
+    def start(controller: RolloutController) -> None:
         controller.initialize(1, SchedulingSpec(cpu=1, mem=4), server_args=server_args)
         controller.start_proxies(str(tiny_model_dir))
-        yield controller, scheduler.worker_pids("rollout")[controller.workers[0].id]
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(ROLES)) as pool:
+            list(pool.map(start, controllers.values()))
+        yield {
+            role: (c, scheduler.worker_pids(role)[c.workers[0].id])
+            for role, c in controllers.items()
+        }
     finally:
-        controller.destroy()
+        for controller in controllers.values():
+            controller.destroy()
         scheduler.delete_workers()
         name_resolve.reconfigure("memory")
 
@@ -112,38 +126,35 @@ def _child_running(worker_pid: int, module: str) -> int:
     raise AssertionError(f"rollout worker {worker_pid} runs no {module}")
 
 
-def test_a_killed_rollout_worker_is_named_not_the_server_and_proxy_it_took_down(rollout):
-    controller, worker_pid = rollout
+def test_a_killed_worker_and_a_killed_proxy_are_each_named_within_30_s(rollouts):
+    # rollout/0 loses its whole process group (the worker and the server and proxy it
+    # started), as the OOM killer or a lost node does; eval-rollout/0 loses its proxy alone
+    controller, worker_pid = rollouts["rollout"]
     worker = controller.workers[0]
     server_pid = _child_running(worker_pid, "areal.inference.server")
     proxy_pid = _child_running(worker_pid, "areal.proxy.server")
-    # the worker leads its process group: SIGKILL to it kills the worker and the server
-    # and proxy it started at once, as the OOM killer or a lost node does
     assert os.getpgid(server_pid) == os.getpgid(proxy_pid) == worker_pid
-    os.killpg(worker_pid, signal.SIGKILL)
-    killed = time.monotonic()
+    eval_controller, eval_pid = rollouts["eval-rollout"]
+    eval_worker = eval_controller.workers[0]
+    eval_proxy = eval_controller.proxy_addrs[0].removeprefix("http://")
 
-    error, reported = _reported_failure(controller)
-    seconds = reported - killed
-    print(f"reported {seconds:.1f} s after the kill: {error}")
-    assert isinstance(error, RolloutHealthError), f"{type(error).__name__}: {error}"
-    # named as soon as the scheduler sees its process gone, with the exit code
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        waits = [pool.submit(_reported_failure, c) for c in (controller, eval_controller)]
+        os.killpg(worker_pid, signal.SIGKILL)
+        os.kill(_child_running(eval_pid, "areal.proxy.server"), signal.SIGKILL)
+        killed = time.monotonic()
+        (error, reported), (proxy_error, proxy_reported) = [w.result() for w in waits]
+
+    for what, e, at in (("worker", error, reported), ("proxy", proxy_error, proxy_reported)):
+        print(f"{what}: reported {at - killed:.1f} s after the kill: {e}")
+        assert isinstance(e, RolloutHealthError), f"{type(e).__name__}: {e}"
+        assert at - killed < REPORTED_WITHIN
+    # the worker, named as soon as the scheduler sees its process gone, with the exit code
+    # (not the server or proxy it took down)
     assert str(error).startswith(f"rollout worker {worker.id} at {worker.address} exited")
     assert "its process exited with code -9" in str(error)
     assert error.target.kind == "rollout worker"
-    assert seconds < REPORTED_WITHIN
-
-
-def test_a_killed_rollout_proxy_is_named_with_its_worker(rollout):
-    controller, worker_pid = rollout
-    worker = controller.workers[0]
-    proxy = controller.proxy_addrs[0].removeprefix("http://")
-    os.kill(_child_running(worker_pid, "areal.proxy.server"), signal.SIGKILL)
-    killed = time.monotonic()
-
-    error, reported = _reported_failure(controller)
-    seconds = reported - killed
-    print(f"reported {seconds:.1f} s after the kill: {error}")
-    assert isinstance(error, RolloutHealthError), f"{type(error).__name__}: {error}"
-    assert f"rollout proxy {proxy} (rollout worker {worker.id}) failed" in str(error)
-    assert seconds < REPORTED_WITHIN
+    # the proxy, through the health supervision, with the worker it belongs to
+    assert str(proxy_error).startswith(
+        f"rollout proxy {eval_proxy} (rollout worker {eval_worker.id}) failed"
+    )
