@@ -553,10 +553,13 @@ def _bind(host: str, port: int) -> tuple[socket.socket, str]:
 
 
 def _load_secrets_file() -> None:
-    """Take this worker's secrets from ``$AREAL_SECRETS_FILE`` (a forked worker's)."""
+    """Take this worker's secrets from ``$AREAL_SECRETS_FILE`` (a forked worker's), and
+    remove the file: nothing on disk holds them while the worker runs."""
     path = os.environ.pop(SECRETS_FILE_ENV, "")
     if path:
         os.environ.update(load_secrets_file(path))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def main(argv: list[str] | None = None) -> None:

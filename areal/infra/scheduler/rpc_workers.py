@@ -23,8 +23,8 @@ travels in a request: requests and answers are signed with it instead. The secre
 the experiment config (the proxy admin key...) take the same road, each only to the roles
 that use it (:meth:`RPCWorkerScheduler.worker_secrets`, ``Job.secrets``); requests name
 them, never carry them (:mod:`areal.infra.rpc.secret_env`). A forked worker gets its
-secrets from a mode-0600 file in the trial's private ``.secrets`` directory, removed at
-teardown.
+secrets from a mode-0600 file in the trial's private ``.secrets`` directory, which it
+removes once read (teardown removes any left over).
 """
 
 from __future__ import annotations
@@ -229,8 +229,8 @@ class RPCWorkerScheduler(Scheduler):
         business: their environment, or a mode-0600 file), never a command line."""
         return self._secrets.for_role(role)
 
-    def _write_secrets(self, role: str, values: dict[str, str]) -> Path:
-        return self._secrets.write_file(role, values)
+    def _write_secrets(self, name: str, values: dict[str, str]) -> Path:
+        return self._secrets.write_file(name, values)
 
     def _remove_secrets(self) -> None:
         self._secrets.remove_files()
@@ -435,13 +435,15 @@ class RPCWorkerScheduler(Scheduler):
         python = self._fork_interpreter(target)
         forked: list[WorkerHandle] = []
         try:
-            # the child's secrets come from a private file, not from its parent's environment
-            secrets_file = str(self._write_secrets(role, self.worker_secrets(role)))
+            values = self.worker_secrets(role)
             for index, tw in enumerate(target_workers):
                 parent = self._client_of(tw.id)
                 port = parent.alloc_ports(1)[0]
                 raw_cmd = [python, "-m", module, "--host", tw.ip, "--port", str(port)]
                 raw_cmd += self._identity_flags(role, index)
+                # the child's secrets come from a private file it removes once read, not
+                # from its parent's environment
+                secrets_file = str(self._write_secrets(f"{role}.{index}", values))
                 info = parent.fork(role, index, raw_cmd, env={SECRETS_FILE_ENV: secrets_file})
                 h = WorkerHandle(
                     f"{role}/{index}", role, index, pid=int(info["pid"]), parent_id=tw.id

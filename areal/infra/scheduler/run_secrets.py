@@ -80,11 +80,11 @@ class RunSecrets:
         withheld = [value for name, value in self.config_secrets.items() if name not in given]
         return given, withheld
 
-    def write_file(self, role: str, values: dict[str, str]) -> Path:
-        """A mode-0600 file of ``export`` lines for ``role`` in the secrets directory."""
+    def write_file(self, name: str, values: dict[str, str]) -> Path:
+        """A mode-0600 file ``<name>.env`` of ``export`` lines in the secrets directory."""
         self.secrets_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(self.secrets_dir, 0o700)
-        path = self.secrets_dir / f"{role}.env"
+        path = self.secrets_dir / f"{name}.env"
         path.unlink(missing_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         with os.fdopen(fd, "w") as f:

@@ -89,7 +89,7 @@ def test_each_role_gets_only_the_secrets_it_uses(scheduler):
     # environment the trainer beside it could have handed down
     assert SECRETS_FILE_ENV in forked_env and ADMIN_ENV not in forked_env
     secrets_file = Path(forked_env[SECRETS_FILE_ENV])
-    assert stat.S_IMODE(secrets_file.stat().st_mode) == 0o600
+    assert not secrets_file.exists()  # removed once read: no file holds them meanwhile
     assert stat.S_IMODE(secrets_file.parent.stat().st_mode) == 0o700
 
     # the same rollout config: rollout workers read the key, the trainer gets it empty
@@ -98,7 +98,7 @@ def test_each_role_gets_only_the_secrets_it_uses(scheduler):
     assert _admin_digest(scheduler, actor.id) == sha("")
 
     scheduler.delete_workers()
-    assert not secrets_file.exists()
+    assert not list(secrets_file.parent.glob("*.env"))
 
 
 def test_secrets_files_are_refused_when_others_can_read_them(tmp_path):
