@@ -2,7 +2,7 @@
 #   make test   create .venv, install (CPU torch pinned), run the test suite
 #   make demo   create .venv, install, run the end-to-end demo on the embedded default
 # Optional: make agent-clis installs the pinned Claude Code and Codex CLIs (npm) that the
-# agent-CLI integration tests run; without them those tests skip.
+# agent-CLI integration tests run; without them those tests skip (and fail when CI is set).
 SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 

@@ -1,4 +1,4 @@
-"""Suite-wide settings: offline hub, GPU skipping, and a fake environment for profiles."""
+"""Suite-wide settings: offline hub, the skip policy, and a fake environment for profiles."""
 
 from __future__ import annotations
 
@@ -16,24 +16,6 @@ SWE_DIR = REPO_ROOT / "examples" / "swe"
 
 # Sentinel secret planted by tests; it must never appear in any saved or printed output.
 SECRET_SENTINEL = "sentinel-secret-7f3a9c1e"
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _cuda_available():
-        return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (run on the GPU machine)")
-    for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
 
 
 @pytest.fixture
@@ -125,6 +107,13 @@ def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-b"), seed=1)
 
+
+# GPU tests skip without CUDA; with CI set, any other skip fails (see tests/skip_policy.py).
+from tests.skip_policy import (  # noqa: E402, F401
+    pytest_collection_modifyitems,
+    pytest_make_collect_report,
+    pytest_runtest_makereport,
+)
 
 # One single-node Slurm cluster per session, for every module marked `slurm`.
 from tests.slurm_cluster import slurm_cluster  # noqa: E402, F401

@@ -8,8 +8,8 @@ gets a small default memory (``DefMemPerCPU``), so several test jobs run side by
 on a 2-core machine. Clients find the cluster through ``SLURM_CONF``.
 
 The session fixture :func:`slurm_cluster` skips (with the reason) when the daemons or
-clients are not installed or the tests do not run as root; ``.ci/run`` installs Debian's
-``slurmctld slurmd slurm-client``.
+clients are not installed or the tests do not run as root (a failure when ``CI`` is set,
+see tests/skip_policy.py); ``.ci/run`` installs Debian's ``slurmctld slurmd slurm-client``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,19 @@
-"""Engine interfaces: what the trainer and the rollout side call."""
+"""Engine interfaces: what the trainer and the rollout side call.
+
+The classes marked :func:`engine_interface` here are also the RPC contract between a
+controller and the engines on its workers: a controller calls an engine only through a
+:class:`~areal.infra.rpc.remote_engine.RemoteEngine` of one of these interfaces, and a
+worker runs only methods an interface of the engine declares
+(:func:`interface_methods`). An engine method called remotely must be declared here.
+"""
 
 from __future__ import annotations
 
 import abc
 import concurrent.futures
-from typing import Any
+import functools
+import inspect
+from typing import Any, TypeVar
 
 from areal.api.io_struct import (
     LocalInfServerInfo,
@@ -14,9 +23,44 @@ from areal.api.io_struct import (
     WeightUpdateMeta,
 )
 
-__all__ = ["InferenceEngine", "TrainEngine"]
+__all__ = [
+    "InferenceEngine",
+    "PPOActorEngine",
+    "RolloutWorkerEngine",
+    "TrainEngine",
+    "engine_interface",
+    "interface_methods",
+]
+
+_INTERFACE_MARK = "__engine_interface__"
+C = TypeVar("C", bound=type)
 
 
+def engine_interface(cls: C) -> C:
+    """Mark ``cls`` as an engine interface: the public methods it defines itself may be
+    called on its engines over RPC (a test engine may mark its own class)."""
+    setattr(cls, _INTERFACE_MARK, cls)
+    return cls
+
+
+@functools.cache
+def interface_methods(cls: type) -> frozenset[str]:
+    """The methods callable over RPC on engines of class ``cls``: the public methods
+    defined by the engine interfaces among ``cls`` and its bases (properties excluded:
+    RPC calls methods)."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__dict__.get(_INTERFACE_MARK) is not klass:
+            continue
+        for name, value in klass.__dict__.items():
+            if name.startswith("_"):
+                continue
+            if inspect.isfunction(value) or isinstance(value, (staticmethod, classmethod)):
+                names.add(name)
+    return frozenset(names)
+
+
+@engine_interface
 class InferenceEngine(abc.ABC):
     """Generation on inference servers plus asynchronous rollout execution."""
 
@@ -121,6 +165,62 @@ class InferenceEngine(abc.ABC):
     def export_stats(self) -> dict[str, float]: ...
 
 
+@engine_interface
+class RolloutWorkerEngine(InferenceEngine):
+    """The inference engine of a rollout worker, driven by the rollout controller.
+
+    It launches its server and rollout proxy, runs the rollouts the controller dispatches
+    under the controller's task ids, and hands their results back on the controller's
+    long poll (:meth:`collect_finished`). The controller holds the run's staleness gate.
+    """
+
+    @abc.abstractmethod
+    def launch_local_server(self, server_args: dict[str, Any]) -> str:
+        """:meth:`launch_server`, returning only the server's ``host:port``."""
+
+    @abc.abstractmethod
+    def launch_proxy(self, tokenizer_path: str, expected_temperature: float | None = None) -> str:
+        """Start a rollout proxy in front of the first server; its ``http://host:port``.
+
+        ``expected_temperature``: the trainer's sampling temperature (requests sampled at
+        another one are counted)."""
+
+    @abc.abstractmethod
+    def attach_barrier(self, path: str) -> None:
+        """Follow another process's weight-update barrier (before :meth:`initialize`)."""
+
+    @abc.abstractmethod
+    def resume_serving(self) -> None:
+        """The servers hold the new weights: they serve direct requests again; rollouts
+        stay held until :meth:`end_weight_update`."""
+
+    @abc.abstractmethod
+    def abort_all(self) -> None:
+        """Abort every request in flight on the servers."""
+
+    @abc.abstractmethod
+    def submit(
+        self,
+        data: Any,
+        workflow: Any,
+        workflow_kwargs: dict[str, Any] | None = None,
+        *,
+        task_id: int | None = None,
+        **kwargs: Any,
+    ) -> int:
+        """Queue one rollout task under ``task_id`` (the controller's; None: a new one);
+        returns the id."""
+
+    @abc.abstractmethod
+    def collect_finished(
+        self, ack: list[int] | None = None, timeout: float = 1.0
+    ) -> concurrent.futures.Future:
+        """Finished rollouts, ``[(task_id, trajectory or None if rejected)]``, waiting up
+        to ``timeout`` seconds for one. ``ack``: the ids the previous call returned, now
+        dropped; a result stays until acknowledged, so one lost on the way comes again."""
+
+
+@engine_interface
 class TrainEngine(abc.ABC):
     """A model being trained: process groups, micro-batched steps, checkpoints, weight sync.
 
@@ -194,6 +294,28 @@ class TrainEngine(abc.ABC):
     def update_weights(self, meta: WeightUpdateMeta) -> None:
         """Push the current weights to the inference servers."""
 
+    # weight sync driven by the controller (areal.engine.weight_sync): engines without it
+    # refuse
+
+    def weight_group_address(self, meta: WeightUpdateMeta) -> WeightUpdateMeta:
+        """``meta`` with the ``xccl`` group's master address, a free port and the backend,
+        chosen where rank 0 runs. Not a collective."""
+        raise NotImplementedError(f"{type(self).__name__} does not sync weights over xccl")
+
+    def join_weight_group(self, meta: WeightUpdateMeta) -> None:
+        """Every rank: rank 0 joins the weight-update group, then all meet at a barrier."""
+        raise NotImplementedError(f"{type(self).__name__} does not sync weights over xccl")
+
+    def weight_buckets(self, meta: WeightUpdateMeta) -> list[list[ParamSpec]] | None:
+        """The buckets every ``xccl`` update sends, in order (a collective); rank 0
+        returns the plan, other ranks None."""
+        raise NotImplementedError(f"{type(self).__name__} does not sync weights over xccl")
+
+    def send_weights(self, meta: WeightUpdateMeta) -> None:
+        """Every rank's half of one update (``disk``: save and publish the version;
+        ``xccl``: broadcast the planned buckets)."""
+        raise NotImplementedError(f"{type(self).__name__} does not sync weights")
+
     @abc.abstractmethod
     def set_version(self, version: int) -> None: ...
 
@@ -242,3 +364,25 @@ class TrainEngine(abc.ABC):
 
     def get_device_stats(self) -> dict[str, float]:
         return {}
+
+
+@engine_interface
+class PPOActorEngine(TrainEngine):
+    """A train engine that is also the PPO actor (:mod:`areal.trainer.ppo.actor`): the
+    data methods the train controller splits batches over. Each gets one data-parallel
+    head's share, a padded batch (``input_ids [B, L]``...)."""
+
+    @abc.abstractmethod
+    def compute_logp(self, data: dict[str, Any]) -> Any:
+        """Gradient-free log-probs of the current weights, ``[B, L]``."""
+
+    @abc.abstractmethod
+    def compute_advantages(
+        self, data: dict[str, Any], group_sizes: list[int] | None = None
+    ) -> dict[str, Any]:
+        """``data`` with per-token ``advantages`` etc.; ``group_sizes``: the rows of each
+        rollout group of the share, in order."""
+
+    @abc.abstractmethod
+    def ppo_update(self, data: dict[str, Any]) -> list[dict[str, float]]:
+        """The PPO minibatch steps over ``data``: one stats dict per optimizer step."""

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal.api.cli_args import SchedulingSpec, SchedulingStrategy
+from areal.infra.rpc.loop import run_sync
 
 __all__ = ["RPC_TOKEN_ENV", "RPC_TOKEN_HEADER", "Job", "Scheduler", "Worker"]
 
@@ -55,7 +56,11 @@ class Job:
 
 
 class Scheduler(abc.ABC):
-    """Starts workers and forwards engine calls to them (§10.1)."""
+    """Starts workers and forwards engine calls to them.
+
+    Engine calls are stated once, as coroutines (:meth:`create_engine`,
+    :meth:`set_worker_env`, :meth:`async_call_engine`); :meth:`call_engine` is its
+    blocking form."""
 
     @property
     @abc.abstractmethod
@@ -80,12 +85,14 @@ class Scheduler(abc.ABC):
     @abc.abstractmethod
     async def create_engine(
         self, worker_id: str, engine: str, engine_name: str | None = None, *args, **kwargs
-    ) -> Any: ...
+    ) -> Any:
+        """Build ``engine`` (``"<module>.<Class>"``, an engine interface's subclass) on
+        the worker with ``*args, **kwargs``; returns its name."""
 
     @abc.abstractmethod
-    async def set_worker_env(self, worker_id: str, env: dict[str, str]) -> None: ...
+    async def set_worker_env(self, worker_id: str, env: dict[str, str]) -> None:
+        """Set environment variables in the worker (before its engines are created)."""
 
-    @abc.abstractmethod
     def call_engine(
         self,
         worker_id: str,
@@ -97,7 +104,22 @@ class Scheduler(abc.ABC):
         max_retries: int = 3,
         retry_delay: float = 1.0,
         **kwargs: Any,
-    ) -> Any: ...
+    ) -> Any:
+        """The blocking form of :meth:`async_call_engine` (from any thread but the RPC
+        loop's; see :mod:`areal.infra.rpc.loop`)."""
+        return run_sync(
+            self.async_call_engine(
+                worker_id,
+                method,
+                *args,
+                engine_name=engine_name,
+                rpc_meta=rpc_meta,
+                http_timeout=http_timeout,
+                max_retries=max_retries,
+                retry_delay=retry_delay,
+                **kwargs,
+            )
+        )
 
     @abc.abstractmethod
     async def async_call_engine(
@@ -111,4 +133,10 @@ class Scheduler(abc.ABC):
         max_retries: int = 3,
         retry_delay: float = 1.0,
         **kwargs: Any,
-    ) -> Any: ...
+    ) -> Any:
+        """``engine.method(*args, **kwargs)`` on the worker (the engine named
+        ``engine_name``, default the worker id); its result. ``rpc_meta``: how the worker
+        runs it (``{"broadcast": False}``: no argument broadcast from the DP head);
+        ``max_retries`` total attempts on transient failures, ``retry_delay`` the first
+        wait. Controllers call this through
+        :class:`~areal.infra.rpc.remote_engine.RemoteEngine`, never by hand."""

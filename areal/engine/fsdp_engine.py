@@ -25,9 +25,7 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,65 +40,22 @@ from areal.engine.attention import packed_forward_kwargs, register_varlen_attent
 from areal.engine.checkpoint import CheckpointFormats, read_extra_state, write_extra_state
 from areal.engine.logprobs import gather_logprobs, next_token_labels
 from areal.engine.optim import build_lr_scheduler, build_optimizer
+from areal.engine.train_common import (
+    PROCESS_GROUP_TIMEOUT,
+    LossFn,
+    WeightFn,
+    flat_micro_batch,
+    init_default_process_group,
+    mask_last_tokens,
+    to_dtype,
+)
 from areal.engine.weight_sync import RolloutWeightSync
 from areal.utils import logging
-from areal.utils.network import find_free_port
 from areal.utils.packing import split_padded_tensor_dict_into_mb_list
 
 __all__ = ["FSDPEngine", "PolicyModule"]
 
 logger = logging.getLogger("engine.fsdp")
-
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=7200)
-
-LossFn = Callable[[torch.Tensor, torch.Tensor, dict[str, Any]], torch.Tensor]
-WeightFn = Callable[[dict[str, Any]], float | torch.Tensor]
-
-
-def to_dtype(name: str) -> torch.dtype:
-    try:
-        return DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r}; use one of {sorted(DTYPES)}") from None
-
-
-def init_default_process_group() -> tuple[torch.device | None, bool]:
-    """Select this rank's GPU (``LOCAL_RANK``) and start the default process group.
-
-    NCCL with a GPU, gloo without; from ``RANK``/``MASTER_ADDR`` when a launcher set them,
-    else a private one-rank group. Returns ``(cuda device or None, whether this call
-    created the group)``.
-    """
-    from areal.platforms import detect_platform
-
-    platform = detect_platform()
-    device = None
-    if platform.device_type == "cuda":
-        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        platform.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    if dist.is_initialized():
-        return device, False
-    backend = platform.communication_backend
-    if "RANK" in os.environ and "MASTER_ADDR" in os.environ:
-        dist.init_process_group(backend, timeout=PROCESS_GROUP_TIMEOUT)
-    else:  # a single process: a private one-rank group
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://127.0.0.1:{find_free_port('127.0.0.1')}",
-            rank=0,
-            world_size=1,
-            timeout=PROCESS_GROUP_TIMEOUT,
-        )
-    return device, True
 
 
 class PolicyModule(nn.Module):
@@ -159,21 +114,6 @@ def compile_decoder_layers(layers: list[nn.Module]) -> None:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
     for layer in layers:
         layer.forward = torch.compile(layer.forward, dynamic=True)
-
-
-def mask_last_tokens(logp: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``logp [B, L]`` with 0 wherever no next real token exists (padding, last real token)."""
-    has_next = torch.zeros_like(logp, dtype=torch.bool)
-    has_next[:, :-1] = attention_mask[:, 1:].to(logp.device)
-    return logp * has_next
-
-
-def _flat(mb: dict[str, Any]) -> dict[str, Any]:
-    """The micro-batch with per-token ``[1, T]`` tensors flattened to ``[T]``."""
-    return {
-        k: v[0] if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[0] == 1 else v
-        for k, v in mb.items()
-    }
 
 
 class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
@@ -383,7 +323,7 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
     ) -> dict[str, float]:
         self.train(True)
         mb_list = self._micro_batches(input_)
-        weights = [float(loss_weight_fn(_flat(mb))) for mb in mb_list.mbs]
+        weights = [float(loss_weight_fn(flat_micro_batch(mb))) for mb in mb_list.mbs]
         total = self._global_weight(weights)
         self.optimizer_zero_grad()
         if total <= 0:
@@ -393,7 +333,7 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         losses = []  # kept on the device: reading each one would stall the launch queue
         for mb, weight in zip(mb_list.mbs, weights, strict=True):
             logp, entropy = self._forward(mb)
-            loss = loss_fn(logp, entropy, _flat(mb))
+            loss = loss_fn(logp, entropy, flat_micro_batch(mb))
             (loss * (weight / total * dp)).backward()
             losses.append(loss.detach().double() * (weight / total))
         stats = self.optimizer_step()
@@ -407,12 +347,14 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         self.train(False)
         try:
             mb_list = self._micro_batches(input_)
-            weights = [float(loss_weight_fn(_flat(mb))) for mb in mb_list.mbs]
+            weights = [float(loss_weight_fn(flat_micro_batch(mb))) for mb in mb_list.mbs]
             total = self._global_weight(weights)
             value = torch.zeros(1, dtype=torch.float64)
             for mb, weight in zip(mb_list.mbs, weights, strict=True):
                 logp, entropy = self._forward(mb)
-                value += float(loss_fn(logp, entropy, _flat(mb))) * weight / max(total, 1e-12)
+                value += (
+                    float(loss_fn(logp, entropy, flat_micro_batch(mb))) * weight / max(total, 1e-12)
+                )
             dist.all_reduce(value, group=self._cpu_group)
             return float(value.item())
         finally:

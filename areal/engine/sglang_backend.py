@@ -1,8 +1,8 @@
 """Request builders for servers that speak SGLang's native HTTP API.
 
-``SGLangBackend`` builds and parses the calls of §6.3 (generation, pause, weight updates,
-memory release) and the ``sglang.launch_server`` command; ``HFBackend`` is the same API
-served by this port's embedded server, with its own launch command.
+``SGLangBackend`` builds and parses the SGLang calls the client uses (generation, pause,
+weight updates, memory release) and the ``sglang.launch_server`` command; ``HFBackend`` is
+the same API served by this port's embedded server, with its own launch command.
 """
 
 from __future__ import annotations

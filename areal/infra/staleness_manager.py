@@ -9,28 +9,40 @@ version ``v``, staleness bound ``eta`` and train batch size ``B`` (prompts)::
 so ``accepted + running <= (eta + v + 1) * B`` always holds: every batch consumed at
 version ``v`` was started at version ``v - eta`` or later. Rejected rollouts free their
 slot. ``running`` counts from dispatch to completion, not from enqueue.
+
+``max_staleness=None`` means no staleness bound: only the concurrency limit applies. That
+is the evaluation controller's gate (its rollouts are never trained, so none can be stale)
+and the gate of rollouts run without a trainer.
+
+A run has one gate, the rollout controller's; rollout workers run what it dispatches.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from areal.api.io_struct import RolloutStat
+
+if TYPE_CHECKING:
+    from areal.api.cli_args import InferenceEngineConfig
 
 __all__ = ["StalenessManager"]
 
 
 class StalenessManager:
+    """The gate on starting rollouts: the staleness bound and the concurrency limit."""
+
     def __init__(
         self,
         version_provider: Callable[[], int],
         max_concurrent_rollouts: int | None,
         consumer_batch_size: int,
-        max_staleness: int,
+        max_staleness: int | None,
     ):
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        if max_staleness is not None and max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0 or None, got {max_staleness}")
         self._version = version_provider
         self.consumer_batch_size = max(1, consumer_batch_size)
         self.max_concurrent = max(1, max_concurrent_rollouts or consumer_batch_size)
@@ -38,9 +50,26 @@ class StalenessManager:
         self._lock = threading.Lock()
         self._stat = RolloutStat()
 
+    @classmethod
+    def from_config(
+        cls, config: InferenceEngineConfig, version_provider: Callable[[], int]
+    ) -> StalenessManager:
+        """The gate ``rollout.max_concurrent_rollouts``, ``consumer_batch_size`` and
+        ``max_head_offpolicyness`` describe."""
+        consumer = config.consumer_batch_size
+        return cls(
+            version_provider,
+            config.max_concurrent_rollouts or consumer,
+            consumer,
+            config.max_head_offpolicyness,
+        )
+
     @property
-    def pending_limit(self) -> int:
-        """How many rollouts may wait to be dispatched: ``(eta + 1) * B``."""
+    def pending_limit(self) -> int | None:
+        """How many rollouts may wait to be dispatched: ``(eta + 1) * B``; None without a
+        staleness bound."""
+        if self.max_staleness is None:
+            return None
         return (self.max_staleness + 1) * self.consumer_batch_size
 
     def get_capacity(self) -> int:
@@ -48,6 +77,8 @@ class StalenessManager:
         with self._lock:
             s = self._stat
             concurrency = self.max_concurrent - s.running
+            if self.max_staleness is None:
+                return concurrency
             bound = (self.max_staleness + self._version() + 1) * self.consumer_batch_size
             return min(concurrency, bound - (s.accepted + s.running))
 

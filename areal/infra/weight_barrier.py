@@ -72,6 +72,7 @@ class BarrierState:
             _release(fd, name, os.getpid())
             raise
         self._owner = True
+        self.held = 0
         # the descriptor keeps the path open for peers that attach later
         self._release = weakref.finalize(self, _release, fd, name, os.getpid())
 
@@ -86,6 +87,7 @@ class BarrierState:
             state._map = mmap.mmap(f.fileno(), _WORD.size, access=mmap.ACCESS_READ)
         state.path = path
         state._owner = False
+        state.held = 0
         return state
 
     def _word(self) -> int:
@@ -120,12 +122,22 @@ class BarrierState:
         self._write(version, self.closed)
 
     async def wait_open(self) -> int:
-        """Wait while closed; the version to tag the next generated tokens with."""
-        while True:
-            word = self._word()
-            if not word & 1:
-                return word >> 1
-            await asyncio.sleep(POLL_SECONDS)
+        """Wait while closed; the version to tag the next generated tokens with.
+
+        ``held`` counts the callers of this process that the closed barrier holds now (so
+        a test can see a request parked here instead of guessing with a sleep).
+        """
+        word = self._word()
+        if not word & 1:
+            return word >> 1
+        self.held += 1
+        try:
+            while word & 1:
+                await asyncio.sleep(POLL_SECONDS)
+                word = self._word()
+            return word >> 1
+        finally:
+            self.held -= 1
 
     def close(self) -> None:
         """The owner releases the state file: its path stops working (processes that

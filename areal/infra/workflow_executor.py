@@ -1,9 +1,12 @@
-"""Asynchronous rollout execution with staleness control.
+"""Asynchronous rollout execution on an inference engine.
 
 ``submit`` queues a rollout (one row, all its samples); a background thread with its own
-event loop starts queued rollouts while the barrier is open and the
-:class:`StalenessManager` has capacity, runs them as asyncio tasks, and files each
-result (``None`` when rejected). ``wait`` collects finished results; ``prepare_batch``
+event loop starts queued rollouts while the barrier is open (and, when the executor has a
+gate, while its :class:`StalenessManager` has capacity), runs them as asyncio tasks, and
+files each result (``None`` when rejected). A rollout worker's executor has no gate: its
+rollout controller holds the run's one staleness gate and dispatches only what it allows,
+so the worker starts every rollout it is sent. Rollouts run in-process, without a
+controller, pass a gate. ``wait`` collects finished results; ``prepare_batch``
 keeps the queue topped up from a dataloader until a full batch of accepted rollouts is
 ready. An exception inside one rollout rejects it and is logged; it never stops the
 runner. A rollout still running after its deadline (:meth:`WorkflowExecutor.task_deadline`)
@@ -88,14 +91,13 @@ class WorkflowExecutor:
         engine: Any,
         staleness_manager: StalenessManager | None = None,
     ):
+        """``staleness_manager`` gates the start of queued rollouts; ``None`` (a rollout
+        worker's executor) starts each one as soon as the barrier is open."""
         self.config = config
         self.engine = engine
-        consumer = config.consumer_batch_size
-        self.max_concurrent = config.max_concurrent_rollouts or consumer
-        self.queue_size = config.queue_size or 16 * self.max_concurrent
-        self.staleness = staleness_manager or StalenessManager(
-            engine.get_version, self.max_concurrent, consumer, config.max_head_offpolicyness
-        )
+        max_concurrent = config.max_concurrent_rollouts or config.consumer_batch_size
+        self.queue_size = config.queue_size or 16 * max_concurrent  # prepare_batch's top-up
+        self.staleness = staleness_manager
         self._pending: collections.deque[_Task] = collections.deque()
         self._running: set[int] = set()
         self._results: dict[int, _Result] = {}
@@ -164,9 +166,10 @@ class WorkflowExecutor:
     async def _pump(self) -> None:
         tasks: set[asyncio.Task] = set()
         while not self._stopping:
-            while self._pending and not self.barrier.closed and self.staleness.get_capacity() > 0:
+            while self._pending and not self.barrier.closed and self._has_capacity():
                 task = self._pending.popleft()
-                self.staleness.on_submit()
+                if self.staleness is not None:
+                    self.staleness.on_submit()
                 self._running.add(task.task_id)
                 job = asyncio.create_task(self._execute(task))
                 tasks.add(job)
@@ -178,6 +181,9 @@ class WorkflowExecutor:
         for job in tasks:
             job.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _has_capacity(self) -> bool:
+        return self.staleness is None or self.staleness.get_capacity() > 0
 
     async def _execute(self, task: _Task) -> None:
         workflow_context.set(
@@ -211,10 +217,11 @@ class WorkflowExecutor:
         except Exception:
             logger.exception("rollout task %d failed; it is rejected", task.task_id)
             trajectory = None
-        if trajectory is None:
-            self.staleness.on_reject()
-        else:
-            self.staleness.on_accept()
+        if self.staleness is not None:
+            if trajectory is None:
+                self.staleness.on_reject()
+            else:
+                self.staleness.on_accept()
         # Always the "rollout" tracker, even for evaluation tasks.
         stats_tracker.get("rollout").scalar(
             **{
@@ -276,7 +283,8 @@ class WorkflowExecutor:
             is_eval=is_eval,
         )
         task.deadline_s = self.task_deadline(workflow_kwargs)
-        self.staleness.on_enqueue()
+        if self.staleness is not None:
+            self.staleness.on_enqueue()
         self._pending.append(task)
         self.notify()
         return task.task_id
@@ -405,12 +413,11 @@ class WorkflowExecutor:
         rows = self._data_iterators.setdefault(id(dataloader), self._rows(dataloader))
         accepted: list[Any] = []
         finished = 0
+        pending_limit = self.staleness.pending_limit if self.staleness is not None else None
         while True:
-            top_up = min(
-                batch_size,
-                self.staleness.pending_limit - len(self._pending),
-                self.queue_size - len(self._running) - batch_size,
-            )
+            top_up = min(batch_size, self.queue_size - len(self._running) - batch_size)
+            if pending_limit is not None:
+                top_up = min(top_up, pending_limit - len(self._pending))
             for _ in range(max(0, top_up)):
                 self.submit(
                     next(rows),
@@ -436,5 +443,6 @@ class WorkflowExecutor:
         """The barrier is closed: a weight update is in progress."""
         return self.barrier.closed
 
-    def get_capacity(self) -> int:
-        return self.staleness.get_capacity()
+    def get_capacity(self) -> int | None:
+        """Rollouts the gate would start now; ``None`` without a gate."""
+        return None if self.staleness is None else self.staleness.get_capacity()

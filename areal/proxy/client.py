@@ -1,14 +1,17 @@
 """Client of the proxy's session endpoints, used by rollout workflows.
 
 Starting a session is retried until it succeeds on transient statuses (408, 429, 502,
-503, 504) and connection errors; ending one up to 10 times; exporting once (it waits for
-the session to finish, so it has no client timeout; the proxy bounds that wait).
+503, 504), connection errors and timeouts, waiting 0.5, 1, 2, 4, 5, 5, ... seconds
+between attempts (:data:`SESSION_RETRY`); ending one is tried up to 10 times; exporting
+once (it waits for the session to finish, so it has no client timeout; the proxy bounds
+that wait).
 """
 
 from __future__ import annotations
 
-import asyncio
 import base64
+import dataclasses
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -17,19 +20,29 @@ import torch
 
 from areal.proxy.interaction import ExportedInteraction
 from areal.utils import logging
+from areal.utils.retry import RetryPolicy
 from areal.utils.secrets import reveal
 
-__all__ = ["OpenAIProxyClient", "ProxyError", "deserialize_interactions"]
+__all__ = ["OpenAIProxyClient", "ProxyError", "deserialize_interactions", "is_transient"]
 
 logger = logging.getLogger("proxy.client")
 TRANSIENT = frozenset({408, 429, 502, 503, 504})
 ATTEMPT_TIMEOUT = 10.0
+SESSION_RETRY = RetryPolicy(attempts=None, first_delay=0.5, multiplier=2.0, max_delay=5.0)
+"""Waits of 0.5, 1, 2, 4, 5, 5, ... seconds; each call sets its own number of attempts."""
 
 
 class ProxyError(RuntimeError):
     def __init__(self, status: int, message: str):
         super().__init__(f"proxy answered HTTP {status}: {message}")
         self.status = status
+
+
+def is_transient(error: BaseException) -> bool:
+    """A connection failure, a timeout or a transient status: worth another attempt."""
+    if isinstance(error, ProxyError):
+        return error.status in TRANSIENT
+    return isinstance(error, (httpx.TransportError, TimeoutError))
 
 
 def deserialize_interactions(items: list[dict]) -> dict[str, ExportedInteraction]:
@@ -54,10 +67,18 @@ def deserialize_interactions(items: list[dict]) -> dict[str, ExportedInteraction
 class OpenAIProxyClient:
     """Session management against one proxy (``base_url`` like ``http://host:port``)."""
 
-    def __init__(self, base_url: str, admin_api_key: str, http_client: httpx.AsyncClient):
+    def __init__(
+        self,
+        base_url: str,
+        admin_api_key: str,
+        http_client: httpx.AsyncClient,
+        *,
+        sleep: Callable[[float], Awaitable[None]] | None = None,
+    ):
         self.base_url = base_url.rstrip("/")
         self._admin = reveal(admin_api_key)
         self.http = http_client
+        self._sleep = sleep  # between retries; None: asyncio.sleep (tests pass a recorder)
 
     def _auth(self, key: str) -> dict[str, str]:
         return {"Authorization": f"Bearer {reveal(key)}"}
@@ -77,23 +98,15 @@ class OpenAIProxyClient:
     async def _retrying(
         self, path: str, body: dict, key: str, attempts: int | None
     ) -> dict[str, Any]:
-        delay = 0.5
-        attempt = 0
-        while True:
-            attempt += 1
-            try:
-                return await self._post(path, body, key, ATTEMPT_TIMEOUT)
-            except ProxyError as e:
-                if e.status not in TRANSIENT or (attempts is not None and attempt >= attempts):
-                    raise
-                failure: Exception = e
-            except (httpx.TransportError, TimeoutError) as e:
-                if attempts is not None and attempt >= attempts:
-                    raise
-                failure = e
-            logger.info("%s failed (%s); retrying in %.1fs", path, type(failure).__name__, delay)
-            await asyncio.sleep(delay)
-            delay = min(delay * 2, 5.0)
+        def log_retry(attempt: int, delay: float, error: BaseException | None) -> None:
+            logger.info("%s failed (%s); retrying in %.1fs", path, type(error).__name__, delay)
+
+        return await dataclasses.replace(SESSION_RETRY, attempts=attempts).acall(
+            lambda: self._post(path, body, key, ATTEMPT_TIMEOUT),
+            retry_on_exception=is_transient,
+            on_retry=log_retry,
+            sleep=self._sleep,
+        )
 
     async def grant_capacity(self) -> int:
         return (await self._post("/grant_capacity", {}, self._admin, ATTEMPT_TIMEOUT))["capacity"]

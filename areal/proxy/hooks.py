@@ -5,17 +5,59 @@ An agent is any object with ``async def run(data, **kwargs) -> float | dict | No
 keyword arguments of :class:`AgentRunKwargs`; the optional hooks of :class:`AgentHooks`
 let it take part in failure handling, metrics and audit. Every hook may be sync or async
 unless noted.
+
+Hooks whose answer decides what a sample trains on (:data:`DECISION_HOOKS`: its session
+metadata, failure disposition, the drop decision, the exported reward and metadata) must
+not fail: an exception, or an answer of the wrong kind, rejects the sample with an
+:class:`AgentHookError` instead of training on a default. Hooks that only observe
+(:data:`OBSERVER_HOOKS`: audit and metrics) are logged and ignored when they fail.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, Protocol, TypedDict, runtime_checkable
 
-__all__ = ["AgentHooks", "AgentRunKwargs", "FailureDisposition", "WorkerRuntime"]
+__all__ = [
+    "DECISION_HOOKS",
+    "OBSERVER_HOOKS",
+    "AgentHookError",
+    "AgentHooks",
+    "AgentRunKwargs",
+    "FailureDisposition",
+    "WorkerRuntime",
+]
 
 FailureDisposition = Literal[
     "model_failure_zero", "system_failure_reject", "unknown_failure_reject"
 ]
+
+DECISION_HOOKS = frozenset(
+    {
+        "get_session_metadata",
+        "classify_proxy_failure",
+        "record_failure_disposition",
+        "should_reject_failed_sample",
+        "get_failure_reward_for_export",
+        "get_episode_reward_for_export",
+        "get_episode_metadata",
+    }
+)
+"""Hooks that decide a sample's reward, disposition or export: a failure rejects it."""
+OBSERVER_HOOKS = frozenset(
+    {"persist_episode_result", "record_episode_metrics", "record_group_metrics"}
+)
+"""Hooks that only audit or record metrics: a failure is logged and the sample goes on."""
+
+
+class AgentHookError(RuntimeError):
+    """A decision hook raised or answered out of contract; the sample is rejected."""
+
+    def __init__(self, hook: str, error: BaseException):
+        self.hook = hook
+        super().__init__(
+            f"agent hook {hook} failed ({type(error).__name__}: {error}); the sample is "
+            "rejected rather than trained on a default"
+        )
 
 
 @runtime_checkable
@@ -48,7 +90,7 @@ class AgentHooks(Protocol):
         error: BaseException, *, context_overflow: bool, interaction_count: int
     ) -> FailureDisposition:
         """Sync, class-level. Decides whether a failed episode trains with reward 0 or is
-        rejected; any other value is a ``ValueError``."""
+        rejected; any other value rejects the sample."""
 
     def record_failure_disposition(
         self, data: dict, error: BaseException, disposition: FailureDisposition

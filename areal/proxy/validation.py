@@ -108,7 +108,7 @@ def _seed(value: Any, param: str) -> None:
         raise ChatRequestError(f"{param} must fit in 64 bits, got {value!r}", param)
 
 
-# top_p 0 means "unset" (served as 1.0, spec §5.4); below 0 or above 1 is refused
+# top_p 0 means "unset" to the reference's proxy (served as 1.0); below 0 or above 1 is refused
 TEMPERATURE, TOP_P = _real(0.0), _real(0.0, 1.0)
 PENALTY = _real(-2.0, 2.0)
 SAMPLING_FIELDS: dict[str, dict[str, Check]] = {

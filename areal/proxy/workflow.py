@@ -8,6 +8,11 @@ rejects; otherwise the agent's ``classify_proxy_failure`` decides. A rejected sa
 failure, or any episode in which the proxy saw a context overflow, trains with reward 0 on
 the interactions it has. An empty export yields no trajectory. After a usable export the
 last interaction's reward and the episode's turn count are recorded.
+
+A failing agent hook that decides the sample's reward, disposition or export rejects the
+sample (:class:`~areal.proxy.hooks.AgentHookError`), counted as
+``<scope>/rejected/hook_failed/<hook>``: it never trains on a default. A failing audit or
+metrics hook is logged and the sample goes on.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,7 +28,7 @@ import torch
 from areal.api.workflow_api import RolloutWorkflow
 from areal.infra import workflow_context
 from areal.proxy.client import OpenAIProxyClient
-from areal.proxy.hooks import FailureDisposition
+from areal.proxy.hooks import DECISION_HOOKS, OBSERVER_HOOKS, AgentHookError, FailureDisposition
 from areal.proxy.keys import derive_gateway_key, derive_session_token
 from areal.utils import logging, stats_tracker
 from areal.utils.secrets import SecretStr, reveal
@@ -51,6 +56,20 @@ DISPOSITIONS: tuple[FailureDisposition, ...] = (
 
 async def _maybe_await(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+def _mapping_or_none(answer: Any) -> str | None:
+    """The objection to a metadata hook's answer, or ``None`` when it is usable."""
+    return None if answer is None or isinstance(answer, Mapping) else "not a dict or None"
+
+
+def _reward_or_none(answer: Any) -> str | None:
+    """The objection to an export-reward hook's answer, or ``None`` when it is usable."""
+    if answer is None:
+        return None
+    if isinstance(answer, bool) or not isinstance(answer, (int, float)):
+        return "not a number or None"
+    return None if math.isfinite(answer) else "not a finite number"
 
 
 def _num_turns(interaction: Any) -> int | None:
@@ -132,21 +151,47 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
     def _hook(self, name: str) -> Any:
         return getattr(self.agent, name, None)
 
-    async def _call_hook(self, name: str, *args: Any, **kwargs: Any) -> Any:
+    async def _observe(self, name: str, *args: Any, **kwargs: Any) -> None:
+        """An audit or metrics hook: a failure is logged, and the sample goes on."""
+        assert name in OBSERVER_HOOKS, name
+        hook = self._hook(name)
+        if hook is None:
+            return
+        try:
+            await _maybe_await(hook(*args, **kwargs))
+        except Exception:
+            logger.exception("agent hook %s failed (it only observes; the sample goes on)", name)
+
+    async def _decide(
+        self,
+        name: str,
+        *args: Any,
+        check: Callable[[Any], str | None] | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        """A hook whose answer decides the sample's reward, disposition or export.
+
+        Its exception, or an answer ``check`` objects to, raises :class:`AgentHookError`,
+        which rejects the sample. ``None`` when the agent has no such hook.
+        """
+        assert name in DECISION_HOOKS, name
         hook = self._hook(name)
         if hook is None:
             return None
         try:
-            return await _maybe_await(hook(*args, **kwargs))
-        except Exception:
-            logger.exception("agent hook %s failed", name)
-            return None
+            answer = await _maybe_await(hook(*args, **kwargs))
+        except Exception as e:
+            raise AgentHookError(name, e) from e
+        problem = check(answer) if check is not None else None
+        if problem is not None:
+            raise AgentHookError(name, ValueError(f"it returned {answer!r}, {problem}"))
+        return answer
 
     async def record_group_metrics(
         self, data: dict[str, Any], rewards: list[float | None], group_size: int
     ) -> None:
         """The agent's ``record_group_metrics`` hook (e.g. pass@k), called by the group."""
-        await self._call_hook("record_group_metrics", data, rewards, group_size)
+        await self._observe("record_group_metrics", data, rewards, group_size)
 
     async def _assign_reward(self, client: OpenAIProxyClient, key: str, reward: Any) -> None:
         from areal.proxy.client import ProxyError
@@ -167,33 +212,47 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
                     raise
                 logger.warning("reward not recorded: %s", e)
 
-    def _disposition(
+    async def _disposition(
         self, error: BaseException, *, system_error: bool, overflow: bool, interaction_count: int
     ) -> FailureDisposition:
         if system_error:
             return "system_failure_reject"
-        classify = self._hook("classify_proxy_failure")
-        if classify is None:
+        if self._hook("classify_proxy_failure") is None:
             return "model_failure_zero" if overflow else "unknown_failure_reject"
-        disposition = classify(
-            error, context_overflow=overflow, interaction_count=interaction_count
+        return await self._decide(
+            "classify_proxy_failure",
+            error,
+            context_overflow=overflow,
+            interaction_count=interaction_count,
+            check=lambda d: None if d in DISPOSITIONS else f"not one of {', '.join(DISPOSITIONS)}",
         )
-        if disposition not in DISPOSITIONS:
-            raise ValueError(f"classify_proxy_failure returned {disposition!r}")
-        return disposition
 
     async def arun_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+        """One sample; ``None`` when dropped, raises when rejected (see the module doc)."""
+        try:
+            return await self._run_episode(engine, data)
+        except AgentHookError as e:
+            # counted by reason; the raise rejects the sample as any other failure does
+            scope = workflow_context.stat_scope()
+            stats_tracker.get("rollout").denominator(
+                **{f"{scope}/rejected/hook_failed/{e.hook}": torch.tensor([True])}
+            )
+            await self._observe("persist_episode_result", data, None)
+            raise
+
+    async def _run_episode(self, engine: Any, data: dict[str, Any]) -> Any:
         context = workflow_context.get()
         task_id = (
             str(context.task_id)
             if context.sample_idx is None
             else f"{context.task_id}:{context.sample_idx}"
         )
+        # asked before capacity is granted, so that a failing hook leaves no slot behind
+        metadata = await self._decide("get_session_metadata", data, check=_mapping_or_none)
         http = await workflow_context.get_httpx_client()
         client = OpenAIProxyClient(self.proxy_addr, self.admin_api_key, http)
         await client.grant_capacity()
-        metadata = await self._call_hook("get_session_metadata", data) or {}
-        session_id, key = await client.start_session(task_id, metadata=metadata)
+        session_id, key = await client.start_session(task_id, metadata=dict(metadata or {}))
         admin = self.admin_api_key.reveal()
         kwargs = {
             "base_url": self.proxy_addr,
@@ -219,14 +278,12 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         system_error = bool(diagnostics.get("system_error"))
         interaction_count = int(diagnostics.get("interaction_count", 0))
         scope = workflow_context.stat_scope()
-
-        def record_session_scalars() -> None:
-            stats_tracker.get("rollout").scalar(
-                **{
-                    f"{scope}/context_overflow": float(overflow),
-                    f"{scope}/proxy_system_error": float(system_error),
-                }
-            )
+        stats_tracker.get("rollout").scalar(
+            **{
+                f"{scope}/context_overflow": float(overflow),
+                f"{scope}/proxy_system_error": float(system_error),
+            }
+        )
 
         # --- failure disposition ---
         if error is None and overflow and system_error:
@@ -237,42 +294,55 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             )
         disposition: FailureDisposition | None = None
         if error is not None:
-            disposition = self._disposition(
-                error,
-                system_error=system_error,
-                overflow=overflow,
-                interaction_count=interaction_count,
-            )
-            await self._call_hook("record_failure_disposition", data, error, disposition)
-            if not system_error and await self._call_hook(
-                "should_reject_failed_sample", error, disposition
-            ):
-                record_session_scalars()
-                await self._call_hook("persist_episode_result", data, None)
+            try:
+                disposition = await self._disposition(
+                    error,
+                    system_error=system_error,
+                    overflow=overflow,
+                    interaction_count=interaction_count,
+                )
+                await self._decide("record_failure_disposition", data, error, disposition)
+                drop = not system_error and await self._decide(
+                    "should_reject_failed_sample", error, disposition
+                )
+            except AgentHookError as hook_error:
+                # the hook's error replaces the episode's own one: keep that in the log
+                logger.warning(
+                    "session %s failed (%s: %s) and %s",
+                    session_id,
+                    type(error).__name__,
+                    error,
+                    hook_error,
+                )
+                raise
+            if drop:
+                await self._observe("persist_episode_result", data, None)
                 return None  # only this sample is dropped; its group siblings are kept
             if disposition != "model_failure_zero":
-                record_session_scalars()
-                await self._call_hook("persist_episode_result", data, None)
+                await self._observe("persist_episode_result", data, None)
                 raise error
-        record_session_scalars()
 
         # --- recovery with a zero reward, or the agent's reward ---
         recovering = overflow or disposition == "model_failure_zero"
         last_reward = None
         if recovering:
             if interaction_count == 0:
-                await self._call_hook("persist_episode_result", data, None)
+                await self._observe("persist_episode_result", data, None)
                 return None
             last_reward = 0.0  # overrides a successful agent's reward after an overflow
-            episode_reward = await self._call_hook(
-                "get_failure_reward_for_export", data, export_style=self.export_style
+            episode_reward = await self._decide(
+                "get_failure_reward_for_export",
+                data,
+                export_style=self.export_style,
+                check=_reward_or_none,
             )
         elif isinstance(reward, (int, float)) and not isinstance(reward, bool):
-            episode_reward = await self._call_hook(
+            episode_reward = await self._decide(
                 "get_episode_reward_for_export",
                 data,
                 float(reward),
                 export_style=self.export_style,
+                check=_reward_or_none,
             )
         else:
             episode_reward = None
@@ -282,24 +352,19 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             session_id, self.discount, self.export_style, self.drop_retry_orphans, last_reward
         )
         if not exported:
-            await self._call_hook("persist_episode_result", data, None)
+            await self._observe("persist_episode_result", data, None)
             return None
+        episode_metadata = await self._decide("get_episode_metadata", check=_mapping_or_none)
         if episode_reward is not None:
             for interaction in exported.values():
                 interaction.set_reward_value(float(episode_reward))
-        episode_metadata = await self._call_hook("get_episode_metadata") or {}
         for interaction in exported.values():
-            interaction.metadata.update(episode_metadata)
+            interaction.metadata.update(episode_metadata or {})
         final_reward = list(exported.values())[-1].reward
         final_reward = None if final_reward is None else float(final_reward)
-        await self._call_hook("persist_episode_result", data, final_reward)
+        await self._observe("persist_episode_result", data, final_reward)
         record_interaction_stats(exported, scope)
-        record = self._hook("record_episode_metrics")
-        if record is not None:
-            try:
-                record(data, final_reward)
-            except Exception:
-                logger.exception("agent hook record_episode_metrics failed")
+        await self._observe("record_episode_metrics", data, final_reward)
         return exported
 
     async def _end_quietly(self, client: OpenAIProxyClient, key: str) -> None:

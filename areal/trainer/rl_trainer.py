@@ -1,4 +1,4 @@
-"""``PPOTrainer``: the single-controller GRPO loop (§9.1-9.2).
+"""``PPOTrainer``: the single-controller GRPO loop.
 
     with PPOTrainer(config, train_dataset) as trainer:
         trainer.train(workflow="examples.toy.token_reward.TokenRewardWorkflow",
@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from areal.api.cli_args import PPOConfig, SchedulingStrategy
+from areal.api.cli_args import PPOConfig
 from areal.api.config.support import refuse_unsupported
 from areal.api.config.train import parse_backend
 from areal.api.io_struct import FinetuneSpec, WeightUpdateMeta
@@ -46,10 +46,11 @@ from areal.api.workflow_api import RolloutWorkflow
 from areal.engine.weight_sync import push_weights
 from areal.infra.controller.rollout_controller import RolloutController
 from areal.infra.controller.train_controller import TrainController
+from areal.infra.workflow_paths import workflow_kind
 from areal.proxy.keys import ensure_run_admin_keys
+from areal.trainer import evaluation
 from areal.trainer.dataloader import StatefulDataLoader
 from areal.utils import logging, seeding, stats_tracker
-from areal.utils.dynamic_import import import_from_string
 
 __all__ = ["PPOTrainer"]
 
@@ -67,10 +68,7 @@ def _is_workflow(workflow: Any) -> bool:
     if isinstance(workflow, type):
         return issubclass(workflow, RolloutWorkflow)
     if isinstance(workflow, str):
-        try:
-            return _is_workflow(import_from_string(workflow))
-        except (ImportError, AttributeError, ValueError):
-            return False  # an agent path that does not import here counts as an agent
+        return workflow_kind(workflow) == "workflow"  # a path that does not import is refused
     return False
 
 
@@ -297,7 +295,9 @@ class PPOTrainer:
             before_train: dict[str, float] = {}
             if evaluate is not None and start == 0 and cfg.evaluator.eval_before_train:
                 with stats_tracker.get().record_timing("eval"):
-                    before_train = _rescope(evaluate(), "eval-rollout", "eval-rollout/before_train")
+                    before_train = evaluation.rescope(
+                        evaluate(), evaluation.EVAL_SCOPE, f"{evaluation.EVAL_SCOPE}/before_train"
+                    )
             for global_step in range(start, max_steps):
                 epoch, epoch_step = divmod(global_step, steps_per_epoch)
                 step_info = StepInfo(epoch, epoch_step, global_step, steps_per_epoch)
@@ -392,56 +392,26 @@ class PPOTrainer:
         self, eval_workflow: Any, eval_workflow_kwargs: dict[str, Any] | None
     ) -> Callable[[], dict[str, float]] | None:
         """One evaluation over every valid row, as a function returning its stats; None
-        without an eval workflow or valid rows (then no eval worker starts: DESIGN 17)."""
-        if eval_workflow is None:
-            return None
-        rows = self.valid_dataset
-        if rows is None or len(rows) == 0:
-            logger.warning("an eval workflow was given but no valid_dataset rows: no evaluation")
-            return None
+        without an eval workflow, valid rows or a schedule (then no eval worker starts)."""
         cfg = self.config
-        schedule = cfg.evaluator
-        freqs = (schedule.freq_epochs, schedule.freq_steps, schedule.freq_secs)
-        if all(f is None for f in freqs) and not schedule.eval_before_train:
-            logger.warning(
-                "an eval workflow was given but evaluator.freq_epochs, freq_steps and "
-                "freq_secs are all null (and eval_before_train is false): no evaluation"
-            )
+        if not evaluation.will_evaluate(eval_workflow, self.valid_dataset, cfg.evaluator):
             return None
         if self.eval_rollout is None:
-            # its own workers (forked beside the rollout workers) on the same servers; it
-            # only runs while the training rollout is paused, so it has no staleness bound
-            eval_cfg = dataclasses.replace(
-                self.rollout.config, max_head_offpolicyness=10**12, health_check_interval=0.0
-            )
-            self.eval_rollout = RolloutController(eval_cfg, self.scheduler, role="eval-rollout")
-            self.eval_rollout.initialize(
-                len(self.rollout.workers),
-                dataclasses.replace(cfg.rollout.scheduling_spec[0], gpu=0),
-                server_addrs=list(self.rollout.server_addrs),
-                strategy=SchedulingStrategy(type="colocation", target="rollout", fork=True),
-            )
-            self.eval_rollout.set_version(self.rollout.get_version())
+            spec = cfg.rollout.scheduling_spec[0]
+            self.eval_rollout = evaluation.start_eval_rollout(self.rollout, self.scheduler, spec)
         proxy_addr = None
         if not _is_workflow(eval_workflow):
             tokenizer_path = cfg.tokenizer_path or cfg.actor.path
             proxy_addr = self.eval_rollout.start_proxies(tokenizer_path)[0]
         n_samples = (cfg.eval_gconfig or cfg.gconfig).n_samples
-
-        def evaluate() -> dict[str, float]:
-            results = self.eval_rollout.rollout_batch(
-                (rows[i] for i in range(len(rows))),
-                eval_workflow,
-                eval_workflow_kwargs,
-                group_size=n_samples,
-                is_eval=True,
-                proxy_addr=proxy_addr,
-            )
-            stats = self.eval_rollout.export_stats()
-            stats.update(_eval_stats(results))
-            return stats
-
-        return evaluate
+        return evaluation.eval_pass(
+            self.eval_rollout,
+            self.valid_dataset,
+            eval_workflow,
+            eval_workflow_kwargs,
+            n_samples,
+            proxy_addr,
+        )
 
     @contextlib.contextmanager
     def _failures_named(self) -> Iterator[None]:
@@ -553,30 +523,6 @@ def _batch_stats(batch: list[dict], update_stats: list[dict], seconds: float) ->
     if norms:
         out["ppo_actor/grad_norm"] = sum(norms) / len(norms)
     return out
-
-
-def _eval_stats(results: list[dict | None]) -> dict[str, float]:
-    """Rows evaluated and rejected, and the mean reward over every accepted sample."""
-    rewards = [
-        float(r)
-        for trajectory in results
-        if trajectory is not None and trajectory.get("rewards") is not None
-        for r in trajectory["rewards"].reshape(-1)
-    ]
-    out = {
-        "eval-rollout/n_rows": float(len(results)),
-        "eval-rollout/n_rejected": float(sum(t is None for t in results)),
-        "eval-rollout/n_samples": float(len(rewards)),
-    }
-    if rewards:
-        out["eval-rollout/reward_mean"] = sum(rewards) / len(rewards)
-    return out
-
-
-def _rescope(stats: dict[str, float], scope: str, into: str) -> dict[str, float]:
-    """``<scope>/<name>`` keys renamed ``<into>/<name>``; others unchanged."""
-    prefix = scope + "/"
-    return {(into + k[len(scope) :] if k.startswith(prefix) else k): v for k, v in stats.items()}
 
 
 def _inference_api_key(scheduler: Any) -> str:

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 import tenacity
 
-__all__ = ["RetryPolicy", "never", "always"]
+__all__ = ["RetryPolicy", "always", "never"]
 
 T = TypeVar("T")
 
@@ -67,23 +67,26 @@ class RetryPolicy:
         before_attempt: Callable[[int], None] | None,
         on_retry: Callable[[int, float, BaseException | None], None] | None,
     ) -> dict[str, Any]:
+        """tenacity's options for attempts 2 onwards (attempt 1 ran in ``_first``)."""
+
         def wait(state: tenacity.RetryCallState) -> float:
-            return self.delay(state.attempt_number)
+            return self.delay(state.attempt_number + 1)
 
         def before_sleep(state: tenacity.RetryCallState) -> None:
             if on_retry is not None:
                 outcome = state.outcome
                 error = outcome.exception() if outcome is not None and outcome.failed else None
-                on_retry(state.attempt_number, self.delay(state.attempt_number), error)
+                n = state.attempt_number + 1
+                on_retry(n, self.delay(n), error)
 
         def before(state: tenacity.RetryCallState) -> None:
             if before_attempt is not None:
-                before_attempt(state.attempt_number)
+                before_attempt(state.attempt_number + 1)
 
         stop = (
             tenacity.stop_never
             if self.attempts is None
-            else tenacity.stop_after_attempt(self.attempts)
+            else tenacity.stop_after_attempt(self.attempts - 1)
         )
         return {
             "stop": stop,
@@ -113,8 +116,20 @@ class RetryPolicy:
         ``on_retry(n, delay, error)`` before each wait (``error`` is None for a result
         that was retried).
         """
+        sleep = sleep or time.sleep
+        if before_attempt is not None:
+            before_attempt(1)
+        try:
+            result = fn()
+        except BaseException as error:
+            if not self._again(error, retry_on_exception(error), on_retry):
+                raise
+        else:
+            if not self._again(None, retry_on_result(result), on_retry):
+                return result
+        sleep(self.delay(1))
         options = self._options(retry_on_exception, retry_on_result, before_attempt, on_retry)
-        return tenacity.Retrying(sleep=sleep or time.sleep, **options)(fn)
+        return tenacity.Retrying(sleep=sleep, **options)(fn)
 
     async def acall(
         self,
@@ -127,5 +142,33 @@ class RetryPolicy:
         sleep: Callable[[float], Awaitable[None]] | None = None,
     ) -> T:
         """The coroutine form of :meth:`call`."""
+        sleep = sleep or asyncio.sleep
+        if before_attempt is not None:
+            before_attempt(1)
+        try:
+            result = await fn()
+        except BaseException as error:
+            if not self._again(error, retry_on_exception(error), on_retry):
+                raise
+        else:
+            if not self._again(None, retry_on_result(result), on_retry):
+                return result
+        await sleep(self.delay(1))
         options = self._options(retry_on_exception, retry_on_result, before_attempt, on_retry)
-        return await tenacity.AsyncRetrying(sleep=sleep or asyncio.sleep, **options)(fn)
+        return await tenacity.AsyncRetrying(sleep=sleep, **options)(fn)
+
+    def _again(
+        self,
+        error: BaseException | None,
+        retryable: bool,
+        on_retry: Callable[[int, float, BaseException | None], None] | None,
+    ) -> bool:
+        """Whether a second attempt follows the first (which failed with ``error``, or
+        returned a result that ``retryable`` says to retry). The first attempt runs without
+        tenacity: most calls succeed at once, and tenacity costs a few hundred
+        microseconds per call."""
+        if not retryable or self.attempts == 1:
+            return False
+        if on_retry is not None:
+            on_retry(1, self.delay(1), error)
+        return True

@@ -1,4 +1,4 @@
-"""JSONL dumps of rollout groups for inspection (``rollout.dump_to_file``, §9.5).
+"""JSONL dumps of rollout groups for inspection (``rollout.dump_to_file``).
 
 The rollout worker that ran a group writes it once it is finished, accepted or rejected
 by ``should_accept_fn`` (:class:`RolloutDumper`), so rejected groups are visible too. One

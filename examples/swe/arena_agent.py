@@ -20,46 +20,34 @@ grader), mapped by the Stream's transform and threshold. Failed tasks are classi
 interactions, anything else rejects the sample. Every task outcome can be appended to
 private JSONL audit shards (``econfig.arena_result_dump_dir``).
 
-This module keeps the workflow itself; failure attribution lives in ``arena_failures``,
-route registration and renewal in ``arena_routes``, audit shards in ``arena_audit`` and
-rollout metrics in ``arena_metrics`` (all under ``examples.swe``).
+This module keeps the run itself; the hooks the proxy workflow calls afterwards (and the
+score-to-reward mapping) live in ``arena_agent_hooks``, failure attribution in
+``arena_failures``, route registration and renewal in ``arena_routes``, audit shards in
+``arena_audit`` and rollout metrics in ``arena_metrics`` (all under ``examples.swe``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
-import importlib
 import math
 import re
 import secrets
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from areal.proxy.hooks import FailureDisposition
 from areal.utils import logging
 from areal.utils.secrets import redact_url, reveal
 from examples.swe.arena_agent_common import bounded, clean_text, scrub_secrets
-from examples.swe.arena_audit import AuditShardWriter, audit_record
-from examples.swe.arena_client import LLM_PROTOCOLS, ArenaOpenAPIClient
+from examples.swe.arena_agent_hooks import ArenaAgentHooks, ArenaEpisode
+from examples.swe.arena_client import ArenaOpenAPIClient
 from examples.swe.arena_config import load_arena_stream_configs
-from examples.swe.arena_failures import classify_proxy_failure as classify_task_failure
-from examples.swe.arena_failures import harness_outcome_bucket, harness_outcome_code
-from examples.swe.arena_failures import should_reject_failed_sample as rejects_failed_sample
-from examples.swe.arena_metrics import (
-    record_arena_scalars,
-    record_episode_scores,
-    record_group_pass_rates,
-)
-from examples.swe.arena_results import (
-    SUCCESS_TASK_STATUSES,
-    ArenaAPIError,
-    ArenaTaskFailedError,
-    ArenaTaskResult,
-)
+from examples.swe.arena_failures import harness_outcome_code
+from examples.swe.arena_metrics import record_arena_scalars
+from examples.swe.arena_protocols import LLM_PROTOCOLS
+from examples.swe.arena_results import ArenaAPIError, ArenaTaskFailedError, ArenaTaskResult
 from examples.swe.arena_routes import (
     SESSION_REGISTRY_ATTR,
     SESSION_REGISTRY_CALLBACK_KEY,
@@ -97,15 +85,6 @@ def _setting(econfig: Any, key: str, default: Any) -> Any:
 
 
 @dataclass
-class _Episode:
-    """Task-local state a run leaves for the proxy's hooks (export, audit, metrics)."""
-
-    session_id: str | None = None
-    result: ArenaTaskResult | None = None
-    dumped: bool = False
-
-
-@dataclass
 class _Launch:
     """What one run needs to launch its task (filled in by the route mode)."""
 
@@ -118,7 +97,7 @@ class _Launch:
     api_key: str
     session_id: str
     http: Any
-    episode: _Episode
+    episode: ArenaEpisode
     model_name: str = ""
     deployment_id: str = ""
     url: str = ""
@@ -131,12 +110,12 @@ class _Launch:
         return (*self.credentials, reveal(self.key))
 
 
-class ArenaStreamAgentWorkflow:
+class ArenaStreamAgentWorkflow(ArenaAgentHooks):
     """Runs one Arena task per rollout and returns its (transformed) score.
 
     Hosted by :class:`areal.proxy.workflow.OpenAIProxyWorkflow`; ``run`` takes the keyword
-    arguments of :class:`areal.proxy.hooks.AgentRunKwargs` and the other public methods
-    are the optional :class:`areal.proxy.hooks.AgentHooks`.
+    arguments of :class:`areal.proxy.hooks.AgentRunKwargs`. The optional
+    :class:`areal.proxy.hooks.AgentHooks` come from :class:`ArenaAgentHooks`.
 
     Args:
         econfig: the ``econfig`` block (a mapping or ``SWEEnvConfig``).
@@ -158,7 +137,6 @@ class ArenaStreamAgentWorkflow:
         *,
         arena_client: ArenaOpenAPIClient | None = None,
     ):
-        self.gen_args = dict(gen_args or {})
         self.timeout = self._positive("timeout", _setting(econfig, "timeout", timeout))
         self.registration_timeout = self._positive(
             "arena_registration_timeout", _setting(econfig, "arena_registration_timeout", 180.0)
@@ -177,28 +155,18 @@ class ArenaStreamAgentWorkflow:
                 f"econfig.arena_llm_route_mode must be one of {', '.join(ROUTE_MODES)}, "
                 f"got {mode!r}"
             )
-        self.reject_terminal_task_failures = bool(reject_terminal_task_failures)
-
         streams = load_arena_stream_configs(econfig)
-        self.streams = {stream.name: stream for stream in streams}
-        self.default_stream_name = streams[0].name if len(streams) == 1 else None
-        self._transforms = {
-            s.name: _import_transform(s.reward_transform_fn)
-            for s in streams
-            if s.reward_transform_fn
-        }
-
-        self.result_dump_dir = clean_text(_setting(econfig, "arena_result_dump_dir", ""))
         max_bytes = _setting(econfig, "arena_result_dump_max_bytes", 1_000_000)
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(
                 f"econfig.arena_result_dump_max_bytes must be an integer > 0, got {max_bytes!r}"
             )
-        self.result_dump_max_bytes = max_bytes
-        self._audit = AuditShardWriter(self.result_dump_dir, max_bytes)
-
-        self._episode: contextvars.ContextVar[_Episode | None] = contextvars.ContextVar(
-            f"arena_episode_{id(self)}", default=None
+        super().__init__(
+            streams=streams,
+            gen_args=gen_args or {},
+            reject_terminal_task_failures=reject_terminal_task_failures,
+            result_dump_dir=clean_text(_setting(econfig, "arena_result_dump_dir", "")),
+            result_dump_max_bytes=max_bytes,
         )
         self._session_registry = SessionGatewayRegistry(persistent=False)
         self.client = arena_client or ArenaOpenAPIClient(
@@ -223,7 +191,7 @@ class ArenaStreamAgentWorkflow:
     async def run(self, data: Mapping[str, Any], **kwargs: Any) -> float:
         """Launch one Arena task for ``data`` and return its reward (see the module doc)."""
         session_id = clean_text(kwargs.get("session_id"))
-        episode = _Episode(session_id=session_id or None)
+        episode = ArenaEpisode(session_id=session_id or None)
         self._episode.set(episode)
         credentials = tuple(
             reveal(kwargs.get(name))
@@ -240,7 +208,7 @@ class ArenaStreamAgentWorkflow:
         data: Mapping[str, Any],
         kwargs: dict[str, Any],
         session_id: str,
-        episode: _Episode,
+        episode: ArenaEpisode,
         credentials: tuple[str, ...],
     ) -> float:
         stream = self._stream_for(data)
@@ -303,17 +271,6 @@ class ArenaStreamAgentWorkflow:
                 launch, kwargs.get("worker_runtime"), gateway_key, session_token
             )
         return await self._run_direct(launch)
-
-    def _stream_for(self, data: Mapping[str, Any]) -> ArenaStreamConfig:
-        name = clean_text(data.get("arena_stream_name")) or self.default_stream_name
-        if not name:
-            raise ValueError("arena_stream_name is required for a multi-Stream run")
-        stream = self.streams.get(name)
-        if stream is None:
-            raise ValueError(
-                f"unknown Arena Stream {name!r}; configured: {', '.join(sorted(self.streams))}"
-            )
-        return stream
 
     @staticmethod
     def _check_row(data: Mapping[str, Any], stream: ArenaStreamConfig, protocol: str) -> None:
@@ -555,192 +512,8 @@ class ArenaStreamAgentWorkflow:
             f"Arena launch returned {type(outcome).__name__}, not a task result or a number"
         )
 
-    # --- rewards ---
-
-    def _transform_reward(
-        self,
-        reward: float,
-        data: Mapping[str, Any],
-        stream_config: ArenaStreamConfig | None = None,
-    ) -> float:
-        """The training reward of a score: the Stream's transform, else its threshold."""
-        stream = stream_config or self._stream_for(data)
-        transform = self._transforms.get(stream.name)
-        if transform is not None:
-            extra = {}
-            if stream.reward_threshold is not None:
-                extra["reward_threshold"] = stream.reward_threshold
-            value = float(transform(reward, data, **extra))
-            if not math.isfinite(value):
-                raise ValueError(
-                    f"reward transform {stream.reward_transform_fn} returned a non-finite "
-                    f"reward {value!r}"
-                )
-            return value
-        if stream.reward_threshold is not None:
-            return 1.0 if reward >= stream.reward_threshold else 0.0
-        return float(reward)
-
-    def _is_solved_reward(self, reward: float | None, stream: ArenaStreamConfig | None) -> bool:
-        """Whether a training reward counts as solved for pass@k (``None`` never does)."""
-        if reward is None:
-            return False
-        threshold = stream.reward_threshold if stream is not None else None
-        if stream is not None and stream.name in self._transforms and threshold is not None:
-            return reward >= threshold
-        return reward > 0
-
-    def _stream_or_none(self, data: Mapping[str, Any]) -> ArenaStreamConfig | None:
-        name = clean_text(data.get("arena_stream_name")) or self.default_stream_name
-        return self.streams.get(name) if name else None
-
-    # --- hooks called by the proxy workflow ---
-
-    @staticmethod
-    def classify_proxy_failure(
-        error: BaseException, *, context_overflow: bool, interaction_count: int
-    ) -> FailureDisposition:
-        """``model_failure_zero`` (train with reward 0) or a reject disposition.
-
-        Only a ``HARNESS_FAILED`` result that proves a model failure trains as zero (see
-        :mod:`examples.swe.arena_failures`); class-level, it reads no instance state.
-        """
-        return classify_task_failure(
-            error, context_overflow=context_overflow, interaction_count=interaction_count
-        )
-
-    def should_reject_failed_sample(
-        self, error: BaseException, disposition: FailureDisposition
-    ) -> bool:
-        """With ``reject_terminal_task_failures``: drop only this failed group member."""
-        return self.reject_terminal_task_failures and rejects_failed_sample(error, disposition)
-
-    async def record_failure_disposition(
-        self, data: Mapping[str, Any], error: BaseException, disposition: FailureDisposition
-    ) -> None:
-        episode = self._current_episode()
-        result = getattr(error, "result", None)
-        if isinstance(result, ArenaTaskResult):
-            episode.result = result
-        if disposition == "model_failure_zero":
-            return  # the final reward (0.0) is audited by persist_episode_result
-        if episode.result is not None and not episode.dumped:
-            await self._dump(data, episode, episode.result, training_score=None)
-
-    async def persist_episode_result(self, data: Mapping[str, Any], reward: float | None) -> None:
-        episode = self._current_episode()
-        if episode.result is not None and not episode.dumped:
-            await self._dump(data, episode, episode.result, training_score=reward)
-
-    def record_episode_metrics(self, data: Mapping[str, Any], reward: float | None) -> None:
-        """Per-episode metrics after a successful export (``run`` records no reward)."""
-        episode = self._current_episode()
-        try:
-            record_episode_scores(data, reward, episode.result, self._stream_or_none(data))
-        finally:
-            episode.result, episode.dumped = None, False
-
-    def record_group_metrics(
-        self, data: Mapping[str, Any], rewards: list[float | None], group_size: int
-    ) -> None:
-        """pass@k and the group's pass-count distribution, globally, per domain and Stream."""
-        if len(rewards) != group_size:
-            raise ValueError(f"got {len(rewards)} rewards for a group of {group_size}")
-        stream = self._stream_or_none(data)
-        passed = sum(1 for reward in rewards if self._is_solved_reward(reward, stream))
-        record_group_pass_rates(data, stream, passed, group_size)
-
-    def get_session_metadata(self, data: Mapping[str, Any]) -> dict[str, Any]:
-        return {"generation_args": dict(self.gen_args)} if self.gen_args else {}
-
-    def get_episode_metadata(self) -> dict[str, Any]:
-        """Identity of the episode's Arena task, attached to every exported interaction."""
-        episode = self._episode.get()
-        if episode is None:
-            return {}
-        identity = self._identity(episode, episode.result)
-        metadata = {}
-        if episode.session_id is not None:
-            metadata["session_id"] = episode.session_id
-        if episode.result is not None:
-            metadata["arena_task_id"] = identity["arena_task_id"]
-            metadata["arena_status"] = episode.result.status
-            if episode.result.status == "HARNESS_FAILED":
-                metadata["harness_outcome_code"] = identity["harness_outcome_code"]
-        return metadata
-
-    def get_episode_reward_for_export(
-        self, data: Mapping[str, Any], reward: float | None, *, export_style: str
-    ) -> float | None:
-        """The terminal reward for every concat segment of a successful episode, else None."""
-        result = self._current_episode().result
-        if export_style != "concat" or result is None:
-            return None
-        if result.status not in SUCCESS_TASK_STATUSES:
-            return None
-        if reward is None or not math.isfinite(reward):
-            return None
-        return float(reward)
-
-    def get_failure_reward_for_export(
-        self, data: Mapping[str, Any], *, export_style: str
-    ) -> float | None:
-        return 0.0 if export_style == "concat" else None
-
-    def _current_episode(self) -> _Episode:
-        episode = self._episode.get()
-        if episode is None:
-            episode = _Episode()
-            self._episode.set(episode)
-        return episode
-
     # --- audit ---
-
-    @staticmethod
-    def _identity(episode: _Episode, result: ArenaTaskResult | None) -> dict[str, Any]:
-        """The identity fields shared by audit records and episode metadata."""
-        failed = result is not None and result.status == "HARNESS_FAILED"
-        return {
-            "arena_task_id": result.task_id if result is not None else None,
-            "session_id": episode.session_id,
-            "harness_outcome_code": harness_outcome_bucket(result.raw) if failed else None,
-        }
 
     async def _dump_local_status(self, launch: _Launch, task_id: str, status: str) -> None:
         result = ArenaTaskResult(task_id=task_id, status=status)
         await self._dump(launch.data, launch.episode, result, training_score=None)
-
-    async def _dump(
-        self,
-        data: Mapping[str, Any],
-        episode: _Episode,
-        result: ArenaTaskResult,
-        *,
-        training_score: float | None,
-    ) -> None:
-        """Append one audit record (at most one per episode); never raises."""
-        episode.dumped = True
-        if not self.result_dump_dir:
-            return
-        try:
-            record = audit_record(
-                self._stream_for(data),
-                data,
-                result,
-                training_score,
-                self._identity(episode, result),
-            )
-            await self._audit.append(record, result.raw)
-        except Exception as e:
-            record_arena_scalars(result_dump_success=0.0)
-            logger.warning("could not write the Arena audit record of %s: %s", result.task_id, e)
-        else:
-            record_arena_scalars(result_dump_success=1.0)
-
-
-def _import_transform(path: str) -> Callable[..., float]:
-    """``package.module.attribute`` -> the attribute (import errors propagate)."""
-    module_name, _, attribute = path.rpartition(".")
-    if not module_name or not attribute:
-        raise ValueError(f"reward_transform_fn {path!r} must be a dotted 'module.function' path")
-    return getattr(importlib.import_module(module_name), attribute)

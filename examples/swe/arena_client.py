@@ -3,7 +3,9 @@
 Every call carries ``Authorization: Bearer $ARENA_OPENAPI_TOKEN`` and follows the retry
 policy of :mod:`examples.swe.arena_http`. Each operation has a blocking and an ``_async``
 form built from the same flow; both reuse one pooled HTTP client per client object (per
-event loop for async), unless the caller passes its own ``client``.
+event loop for async), unless the caller passes its own ``client``. The task launch and
+its polling are written in :mod:`examples.swe.arena_task_flows`, and the LLM protocol
+helpers in :mod:`examples.swe.arena_protocols` (re-exported here).
 
 Endpoints (under the base URL):
 
@@ -27,32 +29,34 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from areal.utils.secrets import SecretStr, redact_url, refuse_printed_form, reveal
 from examples.swe.arena_dataset import DatasetPages, dataset_total, plan_pages
-from examples.swe.arena_http import (
-    ArenaRequest,
-    ArenaTransport,
-    Flow,
-    Pause,
-    check_http_url,
-    encode_path,
+from examples.swe.arena_http import ArenaRequest, ArenaTransport, Flow, check_http_url, encode_path
+from examples.swe.arena_protocols import (
+    LLM_PROTOCOLS,
+    LLMProtocol,
+    infer_llm_protocol,
+    infer_llm_protocol_from_harness,
+    resolve_llm_protocol,
 )
 from examples.swe.arena_results import (
     FAILED_TASK_STATUSES,
-    LAUNCH_PLACEHOLDER_TASK_ID,
-    SUCCESS_TASK_STATUSES,
     ArenaAPIError,
     ArenaTaskFailedError,
     ArenaTaskResult,
     _arena_task_type_from_tags,
     _parse_task_result,
 )
+from examples.swe.arena_task_flows import MANAGED_TASK_ENVS, launch_body, launch_task_flow
 
+# The protocol helpers and result types are re-exported: callers import them from here.
 __all__ = [
+    "LLM_PROTOCOLS",
+    "MANAGED_TASK_ENVS",
     "ArenaAPIError",
     "ArenaOpenAPIClient",
     "ArenaTaskFailedError",
@@ -66,15 +70,12 @@ __all__ = [
     "resolve_llm_protocol",
 ]
 
-LLMProtocol = Literal["anthropic", "responses", "chat_completions"]
-LLM_PROTOCOLS: tuple[str, ...] = ("anthropic", "responses", "chat_completions")
 MODEL_NAME_PREFIX = "stream-areal-"
 REGISTRY_TIMEOUT = 180.0
-MANAGED_TASK_ENVS = ("MODEL_NAME", "BASE_URL", "API_KEY")
 API = "/openapi/v1"
 
 
-# --- credentials and protocols ---
+# --- credentials ---
 
 
 def resolve_arena_credentials(base_url: str = "", api_token: str = "") -> tuple[str, str]:
@@ -93,35 +94,6 @@ def resolve_arena_credentials(base_url: str = "", api_token: str = "") -> tuple[
     if not token:
         raise ValueError("ARENA_OPENAPI_TOKEN is required for Arena OpenAPI calls")
     return base.rstrip("/"), token
-
-
-def infer_llm_protocol_from_harness(key: str) -> str:
-    """``anthropic`` for Claude-like Harnesses, ``responses`` for Codex-like, else chat."""
-    lowered = (key or "").lower()
-    if "claude" in lowered:
-        return "anthropic"
-    if "codex" in lowered:
-        return "responses"
-    return "chat_completions"
-
-
-def infer_llm_protocol(stream: Mapping[str, Any]) -> str:
-    """The protocol of a Stream's default Harness (chat completions when unknown)."""
-    ref = stream.get("default_harness_ref") if isinstance(stream, Mapping) else None
-    key = ref.get("key") if isinstance(ref, Mapping) else None
-    return infer_llm_protocol_from_harness(key if isinstance(key, str) else "")
-
-
-def resolve_llm_protocol(stream: Mapping[str, Any], override: str = "") -> str:
-    """``override`` when given (validated), else inferred from the Stream."""
-    if not override:
-        return infer_llm_protocol(stream)
-    if override in LLM_PROTOCOLS:
-        return override
-    raise ValueError(
-        f"Unsupported Arena LLM protocol override {override!r}; use one of "
-        f"{', '.join(LLM_PROTOCOLS)}"
-    )
 
 
 def _check_model_name(model_name: str) -> None:
@@ -475,79 +447,6 @@ class ArenaOpenAPIClient:
 
     # --- E7, E8: tasks ---
 
-    def _launch_flow(
-        self,
-        stream_id: str,
-        data_id: str,
-        model_name: str,
-        proxy_base_url: str,
-        proxy_api_key: str,
-        session_id: str,
-        harness: str,
-        task_envs: Mapping[str, str] | None,
-        on_launch_success: Callable[[str | None], Any] | None,
-    ) -> Flow[ArenaTaskResult]:
-        envs = dict(task_envs or {})
-        if not all(isinstance(k, str) and k and isinstance(v, str) for k, v in envs.items()):
-            raise ValueError("Arena task_envs keys and values must be strings (non-empty keys)")
-        api_key = reveal(proxy_api_key).strip()
-        envs.update(MODEL_NAME=model_name, BASE_URL=proxy_base_url, API_KEY=api_key)
-        body: dict[str, Any] = {
-            "data_id": data_id,
-            "model_name": model_name,
-            "base_url": proxy_base_url,
-            "api_key": api_key,
-            "envs": envs,
-        }
-        if session_id:
-            body["session_id"] = session_id
-        if harness:
-            body["harness"] = harness
-        request = ArenaRequest(
-            "POST", f"{API}/streams/{encode_path(stream_id)}/launch_one_task", json=body
-        )
-        payload = self._http.read_json((yield request), request)
-        result = _parse_task_result(payload, fallback_task_id=LAUNCH_PLACEHOLDER_TASK_ID)
-        if result.status in FAILED_TASK_STATUSES:
-            raise ArenaTaskFailedError(result.task_id, result.status, payload, result)
-        has_task_id = result.task_id != LAUNCH_PLACEHOLDER_TASK_ID
-        if result.status in SUCCESS_TASK_STATUSES:
-            if result.score is None:
-                raise ArenaAPIError(
-                    f"Arena task {result.task_id} is {result.status} without a top-level 'score'"
-                )
-            if on_launch_success is not None:
-                on_launch_success(result.task_id if has_task_id else None)
-            return result
-        if not has_task_id:
-            raise ArenaAPIError(
-                f"Arena launch returned status {result.status} but no task_id to poll"
-            )
-        if on_launch_success is not None:
-            on_launch_success(result.task_id)
-        return (yield from self._poll_flow(result.task_id))
-
-    def _poll_flow(self, task_id: str) -> Flow[ArenaTaskResult]:
-        """Poll right after the launch, then every ``poll_interval`` until terminal."""
-        request = ArenaRequest("GET", f"{API}/tasks/{encode_path(task_id)}/result")
-        while True:
-            payload = self._http.read_json((yield request), request)
-            result = _parse_task_result(payload, fallback_task_id=task_id)
-            if result.task_id != task_id:
-                raise ArenaAPIError(
-                    f"Arena poll of task {task_id} returned an unexpected task_id "
-                    f"{result.task_id!r}"
-                )
-            if result.status in FAILED_TASK_STATUSES:
-                raise ArenaTaskFailedError(task_id, result.status, payload, result)
-            if result.status in SUCCESS_TASK_STATUSES:
-                if result.score is None:
-                    raise ArenaAPIError(
-                        f"Arena task {task_id} is {result.status} without a top-level 'score'"
-                    )
-                return result
-            yield Pause(self.poll_interval)
-
     async def launch_one_task_result(
         self,
         stream_id: str,
@@ -569,17 +468,16 @@ class ArenaOpenAPIClient:
         Arena has accepted the task. There is no internal deadline: bound the call with
         the episode timeout (Arena has no cancel endpoint; an abandoned task keeps going).
         """
-        flow = self._launch_flow(
-            stream_id,
+        body = launch_body(
             data_id,
             model_name,
             proxy_base_url,
             proxy_api_key,
-            session_id,
-            harness,
-            task_envs,
-            on_launch_success,
+            session_id=session_id,
+            harness=harness,
+            task_envs=task_envs,
         )
+        flow = launch_task_flow(self._http, stream_id, body, self.poll_interval, on_launch_success)
         return await self._http.arun(flow, client)
 
     async def launch_one_task(self, *args: Any, **kwargs: Any) -> float:

@@ -327,7 +327,8 @@ def _runner_envelope_valid(raw: Mapping[str, Any]) -> bool:
 
 
 def model_attributed(raw: Any, *, context_overflow: bool) -> bool:
-    """Whether a ``HARNESS_FAILED`` result's ``raw`` proves a model failure (spec 2.3-2.5)."""
+    """Whether a ``HARNESS_FAILED`` result's ``raw`` proves a model failure through exactly one
+    result family (docs/arena_training.md#failures-train-with-zero-or-reject)."""
     if not isinstance(raw, Mapping):
         return False
     families = result_families(raw)

@@ -8,8 +8,10 @@ with a blocking ``httpx.Client`` and :meth:`ArenaTransport.arun` with an
 
 Retry policy (each request, ``retries + 1`` attempts): transport errors, HTTP 429, 5xx,
 a 403 whose body carries the gateway's transient marker, and a 302 to the gateway's
-upstream-502 waiting page are retried after ``min(2**attempt, 10)`` seconds. A request
-that exhausts its attempts on a transport error fails naming only the exception class.
+upstream-502 waiting page are retried after 1, 2, 4, 8, 10, 10, ... seconds
+(:func:`retry_policy`, an :class:`areal.utils.retry.RetryPolicy`). A request that exhausts
+its attempts on a transport error fails naming only the exception class; one that
+exhausts them on a retryable answer returns that answer.
 
 URLs are checked with :func:`check_http_url`, whose errors name the setting and the
 problem and show the URL only with its user-info, query values and fragment as ``***``.
@@ -29,6 +31,7 @@ from urllib.parse import parse_qs, quote, urlsplit
 
 import httpx
 
+from areal.utils.retry import RetryPolicy
 from areal.utils.secrets import REDACTED, SecretStr, redact_url, redact_urls, reveal
 from examples.swe.arena_results import ArenaAPIError
 
@@ -41,6 +44,7 @@ __all__ = [
     "check_http_url",
     "encode_path",
     "is_retryable_response",
+    "retry_policy",
     "url_problem",
 ]
 
@@ -115,9 +119,18 @@ def check_http_url(url: str, what: str, source: str) -> str:
     return url
 
 
+def retry_policy(retries: int) -> RetryPolicy:
+    """``retries + 1`` attempts, waiting 1, 2, 4, 8, 10, 10, ... seconds between them."""
+    return RetryPolicy(attempts=retries + 1, first_delay=1.0, multiplier=2.0, max_delay=10.0)
+
+
 def backoff_delay(attempt: int) -> float:
     """Seconds to wait after failed attempt ``attempt`` (0-based): 1, 2, 4, 8, 10, 10, ..."""
-    return float(min(2**attempt, 10))
+    return retry_policy(0).delay(attempt + 1)
+
+
+def _is_transport_error(error: BaseException) -> bool:
+    return isinstance(error, httpx.RequestError)
 
 
 def is_retryable_response(response: httpx.Response) -> bool:
@@ -220,6 +233,7 @@ class ArenaTransport:
         self.base_url = base_url.rstrip("/")
         self._token = SecretStr(token)  # stripped: a trailing newline breaks the header
         self.retries = retries
+        self._policy = retry_policy(retries)
         self.timeout = timeout
         if max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {max_connections}")
@@ -313,7 +327,8 @@ class ArenaTransport:
         # httpx's message may quote the URL; only the path is shown.
         return ArenaAPIError(f"{self._label} {request.method} {request.path}: invalid URL")
 
-    def _exhausted(self, request: ArenaRequest, attempts: int, exc: Exception) -> ArenaAPIError:
+    def _exhausted(self, request: ArenaRequest, exc: Exception) -> ArenaAPIError:
+        attempts = self.retries + 1
         return ArenaAPIError(
             f"{self._label} {request.method} {request.path} request failed after {attempts} "
             f"attempt{'s' if attempts != 1 else ''} ({type(exc).__name__})"
@@ -322,46 +337,54 @@ class ArenaTransport:
     def send(self, request: ArenaRequest, client: httpx.Client | None = None) -> httpx.Response:
         http = client or self.sync_client()
         url = self.base_url + request.path
-        attempts = self.retries + 1
-        for attempt in range(attempts):
+        previous: list[httpx.Response] = []  # the last answer: closed if it is retried
+
+        def attempt() -> httpx.Response:
+            if previous:
+                previous.pop().close()
             try:
                 response = http.request(request.method, url, **self._kwargs(request))
             except httpx.InvalidURL:
                 raise self._invalid_url(request) from None
-            except httpx.RequestError as exc:
-                if attempt == attempts - 1:
-                    raise self._exhausted(request, attempt + 1, exc) from None
-                self._sleep(backoff_delay(attempt))
-                continue
-            if attempt < attempts - 1 and is_retryable_response(response):
-                response.close()
-                self._sleep(backoff_delay(attempt))
-                continue
+            previous.append(response)
             return response
-        raise AssertionError("unreachable: the last attempt returns or raises")
+
+        try:
+            return self._policy.call(
+                attempt,
+                retry_on_exception=_is_transport_error,
+                retry_on_result=is_retryable_response,
+                sleep=self._sleep,
+            )
+        except httpx.RequestError as exc:  # raised by the last attempt
+            raise self._exhausted(request, exc) from None
 
     async def asend(
         self, request: ArenaRequest, client: httpx.AsyncClient | None = None
     ) -> httpx.Response:
         http = client or self.async_client()
         url = self.base_url + request.path
-        attempts = self.retries + 1
-        for attempt in range(attempts):
+        previous: list[httpx.Response] = []
+
+        async def attempt() -> httpx.Response:
+            if previous:
+                await previous.pop().aclose()
             try:
                 response = await http.request(request.method, url, **self._kwargs(request))
             except httpx.InvalidURL:
                 raise self._invalid_url(request) from None
-            except httpx.RequestError as exc:
-                if attempt == attempts - 1:
-                    raise self._exhausted(request, attempt + 1, exc) from None
-                await self._async_sleep(backoff_delay(attempt))
-                continue
-            if attempt < attempts - 1 and is_retryable_response(response):
-                await response.aclose()
-                await self._async_sleep(backoff_delay(attempt))
-                continue
+            previous.append(response)
             return response
-        raise AssertionError("unreachable: the last attempt returns or raises")
+
+        try:
+            return await self._policy.acall(
+                attempt,
+                retry_on_exception=_is_transport_error,
+                retry_on_result=is_retryable_response,
+                sleep=self._async_sleep,
+            )
+        except httpx.RequestError as exc:
+            raise self._exhausted(request, exc) from None
 
     # --- response helpers ---
 

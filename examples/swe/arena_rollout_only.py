@@ -33,6 +33,8 @@ import httpx
 from areal.api.cli_args import load_expr_config
 from areal.api.config.train import parse_backend
 from areal.engine.sglang_remote import RemoteSGLangEngine
+from areal.infra.staleness_manager import StalenessManager
+from areal.infra.workflow_paths import workflow_kind
 from areal.proxy.keys import ensure_run_admin_keys
 from areal.trainer.rl_trainer import _server_args  # the trainer's rollout server arguments
 from areal.utils import logging
@@ -334,6 +336,7 @@ def _check_supported(config: SWEPPOConfig) -> None:
         )
     if config.econfig.dataset_source != "arena":
         raise ValueError("arena_rollout_only needs econfig.dataset_source: arena")
+    workflow_kind(ARENA_WORKFLOW)  # an agent path that does not import: refused before servers
 
 
 def main(argv: Sequence[str]) -> int:
@@ -351,7 +354,15 @@ def main(argv: Sequence[str]) -> int:
             experiment_name=config.rollout.experiment_name or config.experiment_name,
             trial_name=config.rollout.trial_name or config.trial_name,
         )
-        engine = RemoteSGLangEngine(config=rollout_config)
+        # no controller and no trainer here: the engine gates its own rollouts, by
+        # max_concurrent_rollouts only (nothing is trained, so nothing can go stale)
+        gate = StalenessManager(
+            version_provider=lambda: 0,
+            max_concurrent_rollouts=rollout_config.max_concurrent_rollouts,
+            consumer_batch_size=rollout_config.consumer_batch_size,
+            max_staleness=None,
+        )
+        engine = RemoteSGLangEngine(config=rollout_config, staleness=gate)
         try:
             server_addr = engine.launch_local_server(server_args=_server_args(config))
             engine.initialize(addr=server_addr)

@@ -1,4 +1,4 @@
-"""Train a policy with GRPO on Arena Streams (or on a JSONL SWE dataset).
+"""Train a policy with GRPO on Arena Streams (``econfig.dataset_source: arena``).
 
     python -m examples.swe.train_swe_rl --config examples/swe/arena_multi_stream.yaml [k=v ...]
 
@@ -14,9 +14,9 @@ pins the grader the Stream has now (failing on drift from a pinned ``expected_re
 and settles the Harness protocol. Workers get the resolved Stream list inline, so they need
 neither the streams file nor the base64 payload, and each rollout checks the pin again.
 
-Evaluation is opt-in: with validation rows (in Arena mode every row of the held-out
-``econfig.arena_eval_streams``, or else the training mixture's; in JSONL mode
-``valid_dataset.path``) and an ``evaluator`` frequency (or
+Evaluation is opt-in: with validation rows (every row of the held-out
+``econfig.arena_eval_streams``, or else the training mixture's) and an ``evaluator``
+frequency (or
 ``evaluator.eval_before_train``), the same workflow decodes every valid row greedily
 (temperature 0) on that schedule, logged under ``eval-rollout/``. Otherwise no eval workers
 or proxies start.
@@ -45,6 +45,7 @@ from datasets import Dataset
 
 from areal.api.cli_args import conf_as_dict, load_expr_config
 from areal.api.config.support import refuse_unsupported
+from areal.infra.workflow_paths import workflow_kind
 from areal.trainer.rl_trainer import PPOTrainer
 from areal.utils import logging
 from examples.swe.arena_client import (
@@ -59,7 +60,6 @@ from examples.swe.utils import SWEPPOConfig
 
 __all__ = [
     "ARENA_WORKFLOW",
-    "SWE_WORKFLOW",
     "TrainingInputs",
     "arena_client",
     "as_dataset",
@@ -81,7 +81,6 @@ __all__ = [
 logger = logging.getLogger("train_swe_rl")
 
 ARENA_WORKFLOW = "examples.swe.arena_agent.ArenaStreamAgentWorkflow"
-SWE_WORKFLOW = "examples.swe.agent.SWEAgentWorkflow"
 # Environment the local Arena hands to this process and every worker started after it.
 LOCAL_ARENA_ENV = ("ARENA_OPENAPI_BASE", "ARENA_OPENAPI_TOKEN", "ARENA_LLM_API_KEY")
 # Legacy single-Stream fields; the resolved Stream list carries their meaning to workers.
@@ -292,7 +291,7 @@ def get_arena_dataset(
     return dataset, streams[0].stream_id
 
 
-# --- JSONL datasets ---
+# --- JSONL datasets (a loader only: training on them needs an SWE agent this port lacks) ---
 
 REQUIRED_SWE_KEYS = ("instance_id", "problem_statement")
 
@@ -336,13 +335,6 @@ def get_swe_dataset(path: str, split: str = "train", min_items: int = 64) -> Dat
         records = records * math.ceil(min_items / len(records))
     logger.info("SWE %s dataset %s: %d records", split, path, len(records))
     return as_dataset(records)
-
-
-def _dataset_file(path: str, root: str) -> str:
-    """``path`` as given when absolute or existing, else relative to ``econfig.dataset_path``."""
-    if Path(path).is_absolute() or Path(path).exists():
-        return path
-    return str(Path(root) / path)
 
 
 # --- the local Arena ---
@@ -402,9 +394,9 @@ def local_arena_task_slots(config: SWEPPOConfig) -> int:
     if rollout is None:  # a hand-built config without a rollout section
         return 64
     batch = max(1, rollout.consumer_batch_size)
-    groups = min(
-        rollout.max_concurrent_rollouts or batch, (rollout.max_head_offpolicyness + 1) * batch
-    )
+    groups = rollout.max_concurrent_rollouts or batch
+    if rollout.max_head_offpolicyness is not None:  # null: no staleness bound
+        groups = min(groups, (rollout.max_head_offpolicyness + 1) * batch)
     return max(64, min(1024, groups * max(1, config.gconfig.n_samples)))
 
 
@@ -477,32 +469,18 @@ def build_training_inputs(
     """
     econfig = config.econfig
     source = econfig.dataset_source
-    if source == "arena":
-        train, streams = get_arena_mixture_dataset(
-            econfig, size_multiple=config.train_dataset.batch_size, client=arena_client
-        )
-        valid = train
-        if econfig.arena_eval_streams:
-            valid, eval_streams = get_arena_eval_dataset(econfig, streams, client=arena_client)
-            streams = [*streams, *eval_streams]  # the workers launch tasks of both
-        pin_streams_for_workers(econfig, streams)
-        workflow = ARENA_WORKFLOW
-    elif source == "jsonl":
-        train = get_swe_dataset(
-            _dataset_file(config.train_dataset.path, econfig.dataset_path), split="train"
-        )
-        valid = None
-        if config.valid_dataset is not None:
-            valid = get_swe_dataset(
-                _dataset_file(config.valid_dataset.path, econfig.dataset_path), split="test"
-            )
-        workflow = SWE_WORKFLOW
-    else:
-        raise ValueError(
-            f"econfig.dataset_source {source!r} is not supported; use 'arena' or 'jsonl'"
-        )
+    if source != "arena":  # the loader refuses it too; this covers configs edited after load
+        raise ValueError(f"econfig.dataset_source {source!r} is not supported; use 'arena'")
+    train, streams = get_arena_mixture_dataset(
+        econfig, size_multiple=config.train_dataset.batch_size, client=arena_client
+    )
+    valid = train
+    if econfig.arena_eval_streams:
+        valid, eval_streams = get_arena_eval_dataset(econfig, streams, client=arena_client)
+        streams = [*streams, *eval_streams]  # the workers launch tasks of both
+    pin_streams_for_workers(econfig, streams)
     workflow_kwargs, eval_workflow_kwargs = build_workflow_kwargs(config)
-    return TrainingInputs(train, valid, workflow, workflow_kwargs, eval_workflow_kwargs)
+    return TrainingInputs(train, valid, ARENA_WORKFLOW, workflow_kwargs, eval_workflow_kwargs)
 
 
 def evaluation_scheduled(config: SWEPPOConfig, inputs: TrainingInputs) -> bool:
@@ -519,6 +497,7 @@ def main(argv: list[str]) -> None:
     refuse_unsupported(config)  # before any Arena, scheduler or worker is touched
     with local_arena_if_requested(config):
         inputs = build_training_inputs(config)
+        workflow_kind(inputs.workflow)  # a path that does not import: refused before workers
         with PPOTrainer(
             config, train_dataset=inputs.train_dataset, valid_dataset=inputs.valid_dataset
         ) as trainer:

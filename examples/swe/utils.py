@@ -22,11 +22,12 @@ class SWEEnvConfig(ConfigNode):
     """Where prompts come from and how Arena tasks are run (``econfig``)."""
 
     dataset_source: str = cfg_field(
-        "jsonl",
-        help="'arena' reads Arena Streams; 'jsonl' reads dataset_path.",
-        choices=("jsonl", "arena"),
+        "arena",
+        help="Where prompts come from: 'arena' (Arena Streams), the only supported source.",
     )
-    dataset_path: str = cfg_field("", help="JSONL dataset (dataset_source 'jsonl' only).")
+    dataset_path: str = cfg_field(
+        "", help="Unused: the reference's JSONL dataset (dataset_source 'jsonl' is refused)."
+    )
     stream_id: str = cfg_field(
         "", help="Legacy single Stream id; empty picks the first ACTIVE Stream."
     )
@@ -90,6 +91,7 @@ class SWEEnvConfig(ConfigNode):
     arena_reward_transform_fn: str = cfg_field(
         "", help="Legacy single-Stream reward transform (dotted path)."
     )
+    # The reference's JSONL-mode settings: accepted so that its configs load, but unused.
     agent_type: str = cfg_field("swe", help="JSONL mode: agent kind.")
     agent_config: str = cfg_field("", help="JSONL mode: agent config.")
     swe_agent_config: str = cfg_field(
@@ -106,6 +108,19 @@ class SWEEnvConfig(ConfigNode):
     timeout: float = cfg_field(1800.0, help="Seconds one episode (one Arena task) may take.")
 
     def validate(self) -> None:
+        if self.dataset_source != "arena":
+            # checked here, not by choices, to say why the reference's 'jsonl' is gone
+            why = (
+                ": JSONL SWE datasets need the reference's SWE agent (examples.swe.agent), "
+                "which this port does not ship"
+                if self.dataset_source == "jsonl"
+                else ""
+            )
+            raise FieldError(
+                "dataset_source",
+                f"{self.dataset_source!r} is not supported{why}; the supported value is "
+                "'arena' (prompts from Arena Streams)",
+            )
         positive = (
             "arena_request_timeout",
             "arena_poll_interval",
@@ -142,7 +157,7 @@ class SWEEnvConfig(ConfigNode):
 
 @dataclass
 class SWEPPOConfig(PPOConfig):
-    """A PPO experiment whose prompts and rewards come from Arena (or a JSONL file)."""
+    """A PPO experiment whose prompts and rewards come from Arena Streams."""
 
     econfig: SWEEnvConfig = cfg_field(factory=SWEEnvConfig, help="Dataset and Arena settings.")
     should_accept_fn: str | None = cfg_field(

@@ -1,7 +1,8 @@
 """Fixtures of the SGLang conformance tier: install the real wheels (cached), one worker each.
 
 The tier needs PyPI once (the wheels are then cached under ``.cache/sglang-conformance``); it
-skips, saying so, only when the index cannot be reached. Deselect it with ``-m "not sglang"``.
+skips, saying so, only when the index cannot be reached (a failure when ``CI`` is set, see
+tests/skip_policy.py). Deselect it with ``-m "not sglang"``.
 """
 
 from __future__ import annotations

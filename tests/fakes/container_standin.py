@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Stand-in for ``apptainer exec``: record the call, then run the command on the host.
 
-Apptainer cannot be installed on the test machines (DESIGN decision 9), so tests point
-``AREAL_CONTAINER_BIN`` at this script. Nothing is isolated: the "container" is the host,
-so every path must already exist here, exactly as the real runtime needs identical paths
-inside and outside the container.
+Apptainer cannot be installed on the test machines (docs/design.md#slurm-tested-for-real),
+so tests point ``AREAL_CONTAINER_BIN`` at this script. Nothing is isolated: the "container"
+is the host, so every path must already exist here, exactly as the real runtime needs
+identical paths inside and outside the container.
 
 Use: ``AREAL_CONTAINER_BIN=<repo>/tests/fakes/container_standin.py`` (it must stay
 executable; its ``#!/usr/bin/env python3`` needs only the standard library, Python 3.8+).

@@ -48,6 +48,12 @@ def run_step(model: Path, out: Path, gpus: int, *extra: str) -> dict:
     return torch.load(out, weights_only=False)
 
 
+def updates(result: dict) -> dict[str, torch.Tensor]:
+    """What the step changed in every weight: after minus before, in float32."""
+    before = result["before"]
+    return {name: after.float() - before[name].float() for name, after in result["state"].items()}
+
+
 def test_fsdp2_step_on_one_gpu(qwen2_05b, tmp_path):
     result = run_step(qwen2_05b, tmp_path / "one.pt", gpus=1)
     stats = result["stats"]
@@ -64,11 +70,21 @@ def test_fused_kernels_step_matches_eager_on_gpu(qwen2_05b, tmp_path):
     assert fused["stats"]["update_successful"] == 1.0
     assert fused["stats"]["loss"] == pytest.approx(eager["stats"]["loss"], rel=1e-2)
     assert fused["stats"]["grad_norm"] == pytest.approx(eager["stats"]["grad_norm"], rel=5e-2)
-    for name, weight in eager["state"].items():
-        cos = torch.nn.functional.cosine_similarity(
-            weight.float().flatten(), fused["state"][name].float().flatten(), dim=0
-        )
-        assert cos > 0.995, (name, float(cos))  # biases start at 0: they are the update
+    # The updates, not the weights: a weight's cosine with itself after any step, wrong ones
+    # included, stays near 1 wherever the step is small next to the random initial weight.
+    # Both runs start from the same checkpoint; each update (SGD at lr 1: the gradient) must
+    # point eager's way and be as long. On one H200 the worst tensor reached cosine 0.9989 and
+    # a norm ratio 1.2 % off (k_proj biases, whose gradient is rounding noise about zero); a
+    # sign error, a lost micro-batch or a mis-scaled loss falls well outside 0.995 and 5 %.
+    assert all(torch.equal(eager["before"][n], fused["before"][n]) for n in eager["before"])
+    eager_update, fused_update = updates(eager), updates(fused)
+    assert fused_update.keys() == eager_update.keys()
+    for name, expected in eager_update.items():
+        got = fused_update[name].flatten()
+        assert expected.norm() > 0, name  # every weight took a step
+        cos = torch.nn.functional.cosine_similarity(got, expected.flatten(), dim=0)
+        ratio = got.norm() / expected.norm()
+        assert cos > 0.995 and abs(ratio - 1) < 5e-2, (name, float(cos), float(ratio))
 
 
 @pytest.mark.skipif(not two_gpus(), reason="needs two CUDA GPUs")

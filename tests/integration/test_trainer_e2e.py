@@ -87,7 +87,8 @@ def _stats(root: Path, trial: str) -> list[dict]:
 def _dumps(root: Path, trial: str, steps: int) -> dict[int, list[dict]]:
     """Dumped samples by the weight version that generated them, groups in task order.
 
-    The rollout workers write ``rollout/{max version in group}/{task_id}.jsonl`` (§9.5).
+    The rollout workers write ``rollout/{max version in group}/{task_id}.jsonl``
+    (docs/trainer.md#trajectory-dumps).
     With ``max_head_offpolicyness=0`` (the toy profile) a group's version is the step that
     trained it; groups of version ``steps`` and later started after the last step.
     """

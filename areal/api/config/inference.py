@@ -201,14 +201,22 @@ class InferenceEngineConfig(ConfigNode):
     fileroot: str | None = cfg_field(None, help="Root for dumps and disk weight updates.")
     backend: str = cfg_field(MISSING, help="Allocation string, e.g. 'sglang:d4p1t2' or 'hf:d1'.")
     max_concurrent_rollouts: int | None = cfg_field(
-        None, help="Concurrent rollout groups; null means consumer_batch_size."
+        None,
+        help="Rollout groups running at once, over all rollout workers (the rollout "
+        "controller's limit); null means consumer_batch_size.",
     )
     queue_size: int | None = cfg_field(
-        None, help="Pending-task queue; null means 16 x concurrency."
+        None,
+        help="Rows an in-process WorkflowExecutor.prepare_batch keeps queued; null means 16 x "
+        "max_concurrent_rollouts. The rollout controller does not use it: it draws a row only "
+        "when the row can be dispatched.",
     )
     consumer_batch_size: int = cfg_field(1, help="Groups per training batch.")
-    max_head_offpolicyness: int = cfg_field(
-        0, help="Staleness bound: how many versions a sample may lag the trainer."
+    max_head_offpolicyness: int | None = cfg_field(
+        0,
+        help="Staleness bound: how many weight versions a sample may lag the trainer (0: "
+        "synchronous); null: no bound, only max_concurrent_rollouts limits the rollouts (the "
+        "evaluation controller's setting: its rollouts are never trained).",
     )
     enable_rollout_tracing: bool = cfg_field(False, help="Log every submit and accept.")
     deterministic_sampling: bool = cfg_field(False, help="Seeded, reproducible sampling.")
@@ -283,8 +291,8 @@ class InferenceEngineConfig(ConfigNode):
             raise FieldError(
                 "scheduling_spec", f"needs 1 or 2 entries (got {len(self.scheduling_spec)})"
             )
-        if self.max_head_offpolicyness < 0:
-            raise FieldError("max_head_offpolicyness", "must be >= 0")
+        if self.max_head_offpolicyness is not None and self.max_head_offpolicyness < 0:
+            raise FieldError("max_head_offpolicyness", "must be >= 0 or null")
         if self.consumer_batch_size < 1:
             raise FieldError("consumer_batch_size", "must be >= 1")
         if self.max_concurrent_rollouts is not None and self.max_concurrent_rollouts < 1:
@@ -303,9 +311,9 @@ class InferenceEngineConfig(ConfigNode):
             raise FieldError("health_check_failures", "must be >= 1")
         if self.max_consecutive_rejections < 0:
             raise FieldError("max_consecutive_rejections", "must be >= 0 (0 turns it off)")
-        if self.deterministic_sampling and self.max_head_offpolicyness > 0:
+        if self.deterministic_sampling and self.max_head_offpolicyness != 0:
             self.warn(
-                "rollout.deterministic_sampling with max_head_offpolicyness > 0 is not "
+                "rollout.deterministic_sampling with max_head_offpolicyness > 0 (or null) is not "
                 "reproducible: asynchronous rollouts interleave with weight updates"
             )
 

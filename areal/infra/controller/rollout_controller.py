@@ -1,4 +1,4 @@
-"""``RolloutController``: rollout workers driven from the CPU controller (§9.3).
+"""``RolloutController``: rollout workers driven from the CPU controller.
 
 Each rollout worker hosts a :class:`RemoteSGLangEngine` and (unless servers are given)
 its own inference server. The controller keeps the single :class:`StalenessManager` of
@@ -19,7 +19,12 @@ and proxy (``rollout.health_check_*``); when one is dead, dispatching stops at o
 :meth:`wait`, :meth:`prepare_batch` and every call to the workers raise its error, which
 names the worker when its servers and proxies died with it.
 
-Weight updates go through one barrier (DESIGN decision 10):
+Every call to a worker goes through a typed proxy of its engine's interface
+(:class:`~areal.api.engine_api.RolloutWorkerEngine`, see
+:mod:`areal.infra.controller.rollout_workers`); calls to every worker at once are
+gathered on the RPC loop.
+
+Weight updates go through one barrier:
 :meth:`RolloutController.begin_weight_update` stops dispatching and closes every worker's
 barrier (no rollout starts, no generation request is sent there or by its proxies) and
 pauses the servers, aborting what is in flight; an interrupted generation keeps its
@@ -33,9 +38,7 @@ servers and proxies and resumes.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
 import contextlib
-import dataclasses
 import itertools
 import shutil
 import threading
@@ -48,13 +51,12 @@ from areal.api.cli_args import InferenceEngineConfig, SchedulingSpec, Scheduling
 from areal.api.io_struct import ParamSpec, WeightUpdateMeta
 from areal.api.scheduler_api import Job, Scheduler, Worker
 from areal.infra.controller.health import (
-    INFERENCE_SERVER,
-    ROLLOUT_PROXY,
     ROLLOUT_WORKER,
     HealthSupervisor,
     HealthTarget,
     RolloutHealthError,
 )
+from areal.infra.controller.rollout_workers import RolloutWorkers, WorkerEngine
 from areal.infra.scheduler.exceptions import WorkerFailedError
 from areal.infra.staleness_manager import StalenessManager
 from areal.utils import logging, stats_tracker
@@ -65,7 +67,6 @@ logger = logging.getLogger("rollout.controller")
 
 ENGINE_CLASS = "areal.engine.sglang_remote.RemoteSGLangEngine"
 COLLECT_TIMEOUT = 1.0  # seconds a fetcher's long poll waits on its worker
-WATCH_PERIOD = 0.2  # seconds between health looks while waiting on worker calls
 
 
 @dataclass
@@ -73,7 +74,7 @@ class _Task:
     task_id: int
     data: Any
     submit_kwargs: dict[str, Any]
-    worker: Worker | None = None
+    worker: int = -1  # the index of the worker it was sent to
     started: float = 0.0
     row_key: Any = None  # the dataloader's key of the row (None: submitted directly)
 
@@ -90,6 +91,7 @@ class RolloutController:
         self.scheduler = scheduler
         self.role = role
         self.workers: list[Worker] = []
+        self._remote: RolloutWorkers | None = None  # calls to the workers' engines
         self.server_addrs: list[str] = []
         self._version = 0
         self._ids = itertools.count()
@@ -103,9 +105,6 @@ class RolloutController:
         self._rejected_in_a_row = 0
         self._health: HealthSupervisor | None = None
         self._health_error: RolloutHealthError | None = None
-        self._quiet_lock = threading.Lock()
-        self._quiet_calls = 0  # weight updates and memory calls being forwarded
-        self._servers_paused = False
         self._source: Iterator[tuple[Any, Any, dict[str, Any]]] | None = None
         self._settle: Callable[[list[Any]], None] | None = None
         self._row_keys: dict[int, Any] = {}  # task id -> row key, until settled
@@ -130,31 +129,26 @@ class RolloutController:
         job = Job(self.role, n_workers, [spec] * n_workers, strategy, secrets="rollout")
         self.scheduler.create_workers(job)
         self.workers = self.scheduler.get_workers(self.role)
-        # workers never gate on their own: the controller holds the staleness bound
-        worker_config = dataclasses.replace(
-            self.config,
-            max_head_offpolicyness=10**9,
-            max_concurrent_rollouts=10**6,
-            queue_size=10**6,
-        )
-        for i, worker in enumerate(self.workers):
-            _run(self.scheduler.create_engine(worker.id, ENGINE_CLASS, worker.id, worker_config))
+        self._remote = RolloutWorkers(self.scheduler, self.workers, self.check_health)
+
+        async def connect(i: int, engine: WorkerEngine) -> str:
+            """Create worker ``i``'s engine, its server unless given; its server address."""
+            worker_id = self.workers[i].id
+            # a worker's engine has no gate of its own: it runs what this controller sends
+            await self.scheduler.create_engine(worker_id, ENGINE_CLASS, worker_id, self.config)
             if server_addrs:
                 addr = server_addrs[i % len(server_addrs)]
             else:
-                addr = self._call(worker, "launch_local_server", server_args or {})
-            self._call(worker, "initialize", addr=addr)
-            self.server_addrs.append(addr)
-        consumer = self.config.consumer_batch_size
-        self.staleness = StalenessManager(
-            self.get_version,
-            self.config.max_concurrent_rollouts or consumer,
-            consumer,
-            self.config.max_head_offpolicyness,
-        )
+                addr = await engine.launch_local_server.acall(server_args or {})
+            await engine.initialize.acall(addr=addr)
+            return addr
+
+        self.server_addrs = self._remote.on_each(connect)
+        # the run's one staleness gate (max_head_offpolicyness null: concurrency only)
+        self.staleness = StalenessManager.from_config(self.config, self.get_version)
         self._start_health_supervisor()
         loops = [(self._dispatch_loop, (), "dispatch")]
-        loops += [(self._fetch_loop, (w,), f"fetch-{i}") for i, w in enumerate(self.workers)]
+        loops += [(self._fetch_loop, (i,), f"fetch-{i}") for i in range(len(self.workers))]
         for target, args, name in loops:
             thread = threading.Thread(
                 target=target, args=args, name=f"{self.role}-{name}", daemon=True
@@ -166,28 +160,17 @@ class RolloutController:
         c = self.config
         if c.health_check_interval <= 0:
             return
-        servers = [
-            HealthTarget(INFERENCE_SERVER, addr, w.id, "/health", quiet_path="/get_model_info")
-            for w, addr in zip(self.workers, self.server_addrs, strict=True)
-        ]
-        workers = [HealthTarget(ROLLOUT_WORKER, w.address, w.id) for w in self.workers]
+        remote = self._remote
         self._health = HealthSupervisor(
-            servers + workers + self._proxy_targets(),
+            remote.health_targets(self.server_addrs) + remote.proxy_targets(self.proxy_addrs),
             interval=c.health_check_interval,
             timeout=c.health_check_timeout,
             failures=c.health_check_failures,
             on_failure=self._on_health_failure,
-            quiet=self._servers_quiet,
+            quiet=remote.quiet,
             name=f"{self.role}-health",
         )
         self._health.start()
-
-    def _proxy_targets(self) -> list[HealthTarget]:
-        """The proxies as health targets: proxy ``i`` (``http://host:port``) is worker ``i``'s."""
-        return [
-            HealthTarget(ROLLOUT_PROXY, url.split("://", 1)[-1].rstrip("/"), w.id)
-            for w, url in zip(self.workers, self.proxy_addrs)  # none before start_proxies
-        ]
 
     def _on_health_failure(self, error: RolloutHealthError) -> None:
         with self._lock:  # under the lock: no task is dispatched after this line is logged
@@ -195,21 +178,6 @@ class RolloutController:
                 self._health_error = error
                 logger.error("%s", error)
             self._lock.notify_all()
-
-    def _servers_quiet(self) -> bool:
-        with self._quiet_lock:
-            return self._servers_paused or self._quiet_calls > 0
-
-    @contextlib.contextmanager
-    def _quiet(self) -> Iterator[None]:
-        """Servers are busy with a weight update or memory call; see the health module."""
-        with self._quiet_lock:
-            self._quiet_calls += 1
-        try:
-            yield
-        finally:
-            with self._quiet_lock:
-                self._quiet_calls -= 1
 
     def check_health(self) -> None:
         """Raise the error of a worker, server or proxy found dead (before work that needs
@@ -239,37 +207,6 @@ class RolloutController:
         with contextlib.suppress(Exception):
             self.scheduler.delete_workers(self.role)
 
-    # --- helpers ---
-
-    def _call(self, worker: Worker, method: str, *args: Any, **kwargs: Any) -> Any:
-        return self.scheduler.call_engine(worker.id, method, *args, engine_name=worker.id, **kwargs)
-
-    def _call_all(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
-        return self._watched([(self._call, (w, method, *args), kwargs) for w in self.workers])
-
-    def _watched(self, calls: list[tuple[Callable[..., Any], tuple, dict[str, Any]]]) -> list[Any]:
-        """Run ``calls`` concurrently; results in order.
-
-        A dead server or worker raises its health error at once instead of waiting for
-        calls that may never return (a weight update to a frozen server).
-        """
-        self.check_health()
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(calls)))
-        try:
-            futures = [pool.submit(fn, *args, **kwargs) for fn, args, kwargs in calls]
-            pending = set(futures)
-            while pending:
-                done, pending = concurrent.futures.wait(
-                    pending, timeout=WATCH_PERIOD, return_when=concurrent.futures.FIRST_EXCEPTION
-                )
-                for future in done:
-                    if future.exception() is not None:
-                        raise future.exception()
-                self.check_health()
-            return [f.result() for f in futures]
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
-
     # --- the weight-update barrier (the one pause path) and versions ---
 
     def get_version(self) -> int:
@@ -284,8 +221,8 @@ class RolloutController:
             if self._barrier_closed:
                 return
             self._barrier_closed = True
-        self._set_servers_paused(True)
-        self._call_all("begin_weight_update", version)
+        self._remote.set_paused(True)
+        self._remote.on_all(lambda worker: worker.begin_weight_update.acall(version))
 
     def end_weight_update(self, version: int) -> None:
         """Set ``version`` on the controller, every worker, its servers (their weight
@@ -294,30 +231,26 @@ class RolloutController:
         Without a :meth:`begin_weight_update` before, this only sets the version (an
         evaluation controller following the trained version, a recovered run)."""
         self._version = version
-        self._call_all("end_weight_update", version)
-        self._set_servers_paused(False)
+        self._remote.on_all(lambda worker: worker.end_weight_update.acall(version))
+        self._remote.set_paused(False)
         with self._lock:
             self._barrier_closed = False
             self._lock.notify_all()
 
     set_version = end_weight_update  # a version change is the end of an update
 
-    def _set_servers_paused(self, paused: bool) -> None:
-        with self._quiet_lock:
-            self._servers_paused = paused
-
     def offload(self) -> None:
         """Every server releases its accelerator memory (colocation: the actor trains);
         only inside the barrier, which keeps the servers idle until the weights are in."""
         if not self._barrier_closed:
             raise RuntimeError("begin_weight_update() before offloading the inference servers")
-        with self._quiet():
-            self._call_all("offload")
+        with self._remote.busy():
+            self._remote.on_all(lambda worker: worker.offload.acall())
 
     def onload(self) -> None:
         """Every server takes its memory back (before the weight update)."""
-        with self._quiet():
-            self._call_all("onload")
+        with self._remote.busy():
+            self._remote.on_all(lambda worker: worker.onload.acall())
 
     # --- the rollout side of the weight-sync handshake (areal.engine.weight_sync) ---
 
@@ -328,12 +261,10 @@ class RolloutController:
                 f"the weight-update group expects {meta.gen_n_servers} rollout server(s) "
                 f"(rollout.backend) but {len(self.workers)} rollout worker(s) run"
             )
-        calls = [
-            (self._call, (w, "init_weights_update_group", meta), {"first_server_index": i})
-            for i, w in enumerate(self.workers)
-        ]
-        with self._quiet():
-            self._watched(calls)
+        with self._remote.busy():
+            self._remote.on_each(
+                lambda i, worker: worker.init_weights_update_group.acall(meta, first_server_index=i)
+            )
 
     def receive_weights(
         self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]] | None = None
@@ -341,14 +272,19 @@ class RolloutController:
         """Every server loads the update (``disk``: ``meta.path`` once the trainer has
         published it; ``xccl``: each bucket of ``buckets`` while the trainer broadcasts
         it), then serves again; rollouts stay held until :meth:`end_weight_update`."""
-        with self._quiet():
+        remote = self._remote
+        with remote.busy():
             if meta.type == "disk":
-                self._call_all("update_weights_from_disk", meta)
+                remote.on_all(lambda worker: worker.update_weights_from_disk.acall(meta))
             else:
                 for specs in buckets or []:
-                    self._call_all("update_weights_from_distributed", meta, specs)
-            self._call_all("resume_serving")
-        self._set_servers_paused(False)
+                    remote.on_all(
+                        lambda worker, specs=specs: worker.update_weights_from_distributed.acall(
+                            meta, specs
+                        )
+                    )
+            remote.on_all(lambda worker: worker.resume_serving.acall())
+        remote.set_paused(False)
         if meta.type == "disk" and self.clear_checkpoint_after_load and meta.path:
             shutil.rmtree(meta.path, ignore_errors=True)
 
@@ -357,7 +293,7 @@ class RolloutController:
     def start_proxies(
         self, tokenizer_path: str, expected_temperature: float | None = None
     ) -> list[str]:
-        """One rollout proxy per rollout worker, on its server (§5.1); their base URLs.
+        """One rollout proxy per rollout worker, in front of its server; their base URLs.
 
         Proxy ``i`` runs next to rollout worker ``i`` and in front of its server; tasks sent
         to worker ``i`` carry ``proxy_addrs[i]``. ``expected_temperature`` is
@@ -366,12 +302,14 @@ class RolloutController:
         sent through it, which would otherwise surface only as a storm of rejections.
         """
         if not self.proxy_addrs:
-            self.proxy_addrs = self._call_all(
-                "launch_proxy", tokenizer_path, expected_temperature=expected_temperature
+            self.proxy_addrs = self._remote.on_all(
+                lambda worker: worker.launch_proxy.acall(
+                    tokenizer_path, expected_temperature=expected_temperature
+                )
             )
             logger.info("rollout proxies: %s", self.proxy_addrs)
             if self._health is not None:
-                self._health.watch(self._proxy_targets())
+                self._health.watch(self._remote.proxy_targets(self.proxy_addrs))
         return list(self.proxy_addrs)
 
     # --- tasks ---
@@ -413,7 +351,7 @@ class RolloutController:
                     self._lock.wait(timeout=0.1)
                     continue
                 self.staleness.on_submit()
-                task.worker = self.workers[next(self._rr) % len(self.workers)]
+                task.worker = next(self._rr) % len(self.workers)
                 task.started = time.monotonic()
                 self._inflight[task.task_id] = task
                 if self.config.enable_rollout_tracing:
@@ -421,34 +359,30 @@ class RolloutController:
                         "dispatched task %d (row %s) to %s",
                         task.task_id,
                         task.row_key,
-                        task.worker.id,
+                        self.workers[task.worker].id,
                     )
             kwargs = dict(task.submit_kwargs)
             if self.proxy_addrs and kwargs.get("proxy_addr"):
                 # pairing: the proxy in front of this worker's server
-                kwargs["proxy_addr"] = self.proxy_addrs[self.workers.index(task.worker)]
+                kwargs["proxy_addr"] = self.proxy_addrs[task.worker]
             try:
-                self._call(
-                    task.worker,
-                    "submit",
-                    task.data,
-                    task_id=task.task_id,
-                    **kwargs,
-                )
+                self._remote.engines[task.worker].submit(task.data, task_id=task.task_id, **kwargs)
             except Exception as e:
                 # A worker that cannot take tasks would turn every remaining row into a
                 # rejection; stop and let wait() report why.
-                logger.error("submitting task %d to %s failed: %s", task.task_id, task.worker.id, e)
+                worker_id = self.workers[task.worker].id
+                logger.error("submitting task %d to %s failed: %s", task.task_id, worker_id, e)
                 self._error = e
                 self._finish(task.task_id, None)
                 return
 
-    def _fetch_loop(self, worker: Worker) -> None:
-        """Long-poll ``worker`` for finished tasks; acknowledge what arrived next time."""
+    def _fetch_loop(self, index: int) -> None:
+        """Long-poll worker ``index`` for finished tasks; acknowledge what arrived next time."""
+        worker, engine = self.workers[index], self._remote.engines[index]
         ack: list[int] = []
         while not self._stopping:
             try:
-                finished = self._call(worker, "collect_finished", ack, timeout=COLLECT_TIMEOUT)
+                finished = engine.collect_finished(ack, timeout=COLLECT_TIMEOUT)
             except WorkerFailedError as e:
                 # the scheduler saw the process exit: fail now, not after the health checks
                 if not self._stopping:
@@ -599,7 +533,7 @@ class RolloutController:
     # --- stats ---
 
     def export_stats(self) -> dict[str, float]:
-        merged = merge_worker_stats(self._call_all("export_stats"))
+        merged = merge_worker_stats(self._remote.on_all(lambda worker: worker.export_stats.acall()))
         if self.role != "rollout":  # e.g. eval-rollout: its workers record under rollout/ too
             merged = {_rescoped(k, self.role): v for k, v in merged.items()}
         stat = self.staleness.get_stats() if self.staleness else None
@@ -627,9 +561,3 @@ def _cycle(batches: Callable[[], Iterable[list[Any]]]) -> Iterator[list[Any]]:
             yield batch
         if empty:
             raise ValueError("the dataloader yields no batches")
-
-
-def _run(awaitable: Any) -> Any:
-    import asyncio
-
-    return asyncio.run(awaitable) if asyncio.iscoroutine(awaitable) else awaitable

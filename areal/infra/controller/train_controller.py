@@ -1,4 +1,4 @@
-"""``TrainController``: the controller side of a (model-)parallel train engine (§7.7).
+"""``TrainController``: the controller side of a (model-)parallel train engine.
 
 Creates one worker per rank, sets ``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT``
 in each, creates the engine, initializes it on all ranks, then asks every rank for its
@@ -13,21 +13,30 @@ ranks), concatenates each head's share into one padded batch, and splits the hea
 results back per group, in the original order. Every other call (weights, checkpoints,
 versions, the LR step, stats) goes to every rank, since engines run collectives in them.
 On the controller the data-parallel view is one rank, so the dataloader is not sharded.
+
+Every rank is a :class:`~areal.infra.rpc.remote_engine.RemoteEngine` of
+:class:`~areal.api.engine_api.PPOActorEngine`: a call the interface does not declare
+fails here, before anything is sent. Calls to every rank are gathered on the RPC loop;
+the first failure is raised at once (a peer may wait in a collective that can no longer
+complete, and the run's teardown stops it).
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import torch
 
 from areal.api.cli_args import SchedulingSpec, SchedulingStrategy
+from areal.api.engine_api import PPOActorEngine
 from areal.api.io_struct import FinetuneSpec, ParamSpec, SaveLoadMeta, WeightUpdateMeta
 from areal.api.scheduler_api import Job, Scheduler, Worker
 from areal.engine.weight_sync import connect_weight_sync
+from areal.infra.rpc.loop import run_sync
+from areal.infra.rpc.remote_engine import RemoteEngine, RemoteMethod
 from areal.utils import logging
 from areal.utils.data import concat_padded_tensors
 
@@ -35,11 +44,17 @@ __all__ = ["TrainController", "balanced_partition"]
 
 logger = logging.getLogger("train.controller")
 
-SPLIT_BACK = ("compute_logp", "compute_advantages")
 # data calls: heads broadcast their share to their model-parallel group
 BROADCAST = {"broadcast": True}
 # calls answered by one rank, or with nothing to share: no collective on the worker
 NO_BROADCAST = {"broadcast": False}
+
+Rank = RemoteEngine[PPOActorEngine]
+
+
+def _alone(rank: Rank) -> Rank:
+    """``rank`` for a call whose arguments are not shared with its model-parallel group."""
+    return rank.with_options(rpc_meta=NO_BROADCAST)
 
 
 def balanced_partition(sizes: list[int], parts: int) -> list[list[int]]:
@@ -75,6 +90,7 @@ class TrainController:
         self.scheduler = scheduler
         self.role = role
         self.workers: list[Worker] = []
+        self.ranks: list[Rank] = []  # the engine on each worker, in rank order
         self.dp_size = 0
         self.dp_heads: list[Worker] = []
         self._head_index: list[int] = []  # per DP rank: the index of its head worker
@@ -94,7 +110,8 @@ class TrainController:
         self.workers = self.scheduler.get_workers(self.role)
         master = self.workers[0]
         port = master.worker_ports[1] if len(master.worker_ports) > 1 else master.worker_ports[0]
-        for rank, worker in enumerate(self.workers):
+
+        async def create(rank: int, worker: Worker) -> None:
             env = {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world_size),
@@ -102,12 +119,13 @@ class TrainController:
                 "MASTER_ADDR": master.ip,
                 "MASTER_PORT": str(port),
             }
-            asyncio.run(self.scheduler.set_worker_env(worker.id, env))
-            asyncio.run(
-                self.scheduler.create_engine(worker.id, self.engine_class, worker.id, self.config)
-            )
-        self._on_all("create_process_group")
-        self._on_all("initialize", ft_spec=ft_spec)
+            await self.scheduler.set_worker_env(worker.id, env)
+            await self.scheduler.create_engine(worker.id, self.engine_class, worker.id, self.config)
+
+        run_sync(_gather(create(rank, worker) for rank, worker in enumerate(self.workers)))
+        self.ranks = [RemoteEngine(self.scheduler, w.id, PPOActorEngine) for w in self.workers]
+        self._on_all(lambda rank: rank.create_process_group.acall())
+        self._on_all(lambda rank: rank.initialize.acall(ft_spec=ft_spec))
         self._learn_layout()
         logger.info("%s: %d rank(s) ready, %d data-parallel", self.role, world_size, self.dp_size)
 
@@ -118,7 +136,7 @@ class TrainController:
         worker (the engine is not an initialized train engine there): an error, as is any
         layout other than exactly one head per DP rank.
         """
-        answers = self._on_all("data_parallel_layout", rpc_meta=NO_BROADCAST)
+        answers = self._on_all(lambda rank: _alone(rank).data_parallel_layout.acall())
         heads = [(i, a) for i, a in enumerate(answers) if a is not None]
         head_of_rank = {int(a["dp_rank"]): i for i, a in heads}
         sizes = {int(a["dp_size"]) for _, a in heads}
@@ -142,44 +160,23 @@ class TrainController:
 
     def destroy(self) -> None:
         try:
-            self._on_all("destroy")
+            self._on_all(lambda rank: rank.destroy.acall())
         except Exception as e:
             logger.warning("destroying %s engines failed: %s", self.role, e)
         self.scheduler.delete_workers(self.role)
 
     # --- calls ---
 
-    def _call(
-        self,
-        worker: Worker,
-        method: str,
-        *args: Any,
-        rpc_meta: dict[str, Any] | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        return self.scheduler.call_engine(
-            worker.id, method, *args, engine_name=worker.id, rpc_meta=rpc_meta, **kwargs
-        )
-
-    def _on_all(
-        self, method: str, *args: Any, rpc_meta: dict[str, Any] | None = None, **kwargs: Any
-    ) -> list[Any]:
-        """The same call on every rank, concurrently (collectives need all of them).
-
-        Results are per worker; non-heads of an initialized engine return None.
-        """
-        if not self.workers:
+    def _on_all(self, call: Callable[[Rank], Awaitable[Any]]) -> list[Any]:
+        """``call`` on every rank at once (collectives need all of them); results per
+        worker (non-heads of an initialized engine answer None)."""
+        if not self.ranks:
             return []
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.workers))
-        futures = [
-            pool.submit(self._call, w, method, *args, rpc_meta=rpc_meta, **kwargs)
-            for w in self.workers
-        ]
-        return _all_or_first_failure(pool, futures)
+        return run_sync(_gather(call(rank) for rank in self.ranks))
 
-    def _from_head(self, method: str) -> Any:
-        """``method`` on every rank (it may be a collective), DP rank 0's answer."""
-        results = self._on_all(method)
+    def _from_head(self, call: Callable[[Rank], Awaitable[Any]]) -> Any:
+        """``call`` on every rank (it may be a collective), DP rank 0's answer."""
+        results = self._on_all(call)
         return results[self._head_index[0]] if self._head_index else None
 
     def _partition(self, batch: list[dict[str, torch.Tensor]]) -> list[list[int]]:
@@ -204,38 +201,45 @@ class TrainController:
         return parts
 
     def _dispatch(
-        self, method: str, batch: list[dict[str, torch.Tensor]], **kwargs: Any
-    ) -> list[Any]:
+        self,
+        method: Callable[[Rank], RemoteMethod],
+        batch: list[dict[str, torch.Tensor]],
+        share_kwargs: Callable[[list[int]], dict[str, Any]] = lambda part: {},
+    ) -> tuple[list[list[int]], list[Any]]:
         """Split ``batch`` over DP heads, call ``method`` on every rank, gather from heads.
 
-        Returns the heads' results in DP-rank order, or, for :data:`SPLIT_BACK` methods,
-        one result per group of ``batch``, in its order.
+        A head gets its share (and ``share_kwargs(its group indices)``); the other ranks
+        of its model-parallel group get it through the worker's broadcast. Returns each
+        DP rank's group indices and its head's result, in DP-rank order.
         """
         parts = self._partition(batch)
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=len(self.workers))
-        futures = []
-        for worker, dp_rank in zip(self.workers, self._dp_rank_of, strict=True):
+        shares = [concat_padded_tensors([batch[i] for i in part]) for part in parts]
+
+        def call(rank: Rank, dp_rank: int | None) -> Awaitable[Any]:
+            remote = method(rank.with_options(rpc_meta=BROADCAST))
             if dp_rank is None:  # receives its head's arguments inside the worker
-                futures.append(pool.submit(self._call, worker, method, rpc_meta=BROADCAST))
-                continue
-            part = parts[dp_rank]
-            share = concat_padded_tensors([batch[i] for i in part])
-            extra = dict(kwargs)
-            if method == "compute_advantages":
-                extra["group_sizes"] = [batch[i]["attention_mask"].shape[0] for i in part]
-            futures.append(
-                pool.submit(self._call, worker, method, share, rpc_meta=BROADCAST, **extra)
-            )
-        by_worker = _all_or_first_failure(pool, futures)
-        results = [by_worker[i] for i in self._head_index]
-        if method not in SPLIT_BACK:
-            return results
+                return remote.follow_head()
+            return remote.acall(shares[dp_rank], **share_kwargs(parts[dp_rank]))
+
+        calls = zip(self.ranks, self._dp_rank_of, strict=True)
+        by_worker = run_sync(_gather(call(rank, dp_rank) for rank, dp_rank in calls))
+        return parts, [by_worker[i] for i in self._head_index]
+
+    def _split_back(
+        self,
+        what: str,
+        batch: list[dict[str, torch.Tensor]],
+        parts: list[list[int]],
+        results: list[Any],
+    ) -> list[Any]:
+        """The heads' ``[B, ...]`` results as one result per group of ``batch``, in its
+        order."""
         out: list[Any] = [None] * len(batch)
         for dp_rank, (part, result) in enumerate(zip(parts, results, strict=True)):
             if result is None:
                 raise RuntimeError(
-                    f"{self.role}: {method} on the head of data-parallel rank {dp_rank} "
-                    f"({self.dp_heads[dp_rank].id}) returned nothing"
+                    f"{self.role}: the head of data-parallel rank {dp_rank} "
+                    f"({self.dp_heads[dp_rank].id}) returned none of {what}"
                 )
             row = 0
             for i in part:
@@ -248,11 +252,17 @@ class TrainController:
 
     def compute_logp(self, batch: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Per-group log-probs ``[n, L]`` of the current weights, in batch order."""
-        return self._dispatch("compute_logp", batch)
+        parts, results = self._dispatch(lambda rank: rank.compute_logp, batch)
+        return self._split_back("the log-probs", batch, parts, results)
 
     def compute_advantages(self, batch: list[dict[str, torch.Tensor]]) -> list[dict]:
         """Per-group trajectory dicts with ``advantages`` etc., in batch order."""
-        return self._dispatch("compute_advantages", batch)
+
+        def group_sizes(part: list[int]) -> dict[str, Any]:
+            return {"group_sizes": [batch[i]["attention_mask"].shape[0] for i in part]}
+
+        parts, results = self._dispatch(lambda rank: rank.compute_advantages, batch, group_sizes)
+        return self._split_back("the advantages", batch, parts, results)
 
     def ppo_update(self, batch: list[dict[str, torch.Tensor]]) -> list[dict[str, float]]:
         """One stats dict per optimizer step (minibatch).
@@ -260,11 +270,11 @@ class TrainController:
         Engines reduce step statistics over the data-parallel ranks, so every head reports
         the same list; DP rank 0's is returned.
         """
-        per_head = self._dispatch("ppo_update", batch)
+        _, per_head = self._dispatch(lambda rank: rank.ppo_update, batch)
         return list(per_head[0] or [])
 
     def step_lr_scheduler(self) -> None:
-        self._on_all("lr_scheduler_step")
+        self._on_all(lambda rank: rank.lr_scheduler_step.acall())
 
     # --- weight sync: the trainer's half of the controller's handshake ---
 
@@ -275,58 +285,44 @@ class TrainController:
 
     def weight_group_address(self, meta: WeightUpdateMeta) -> WeightUpdateMeta:
         """The group's address, port and backend, chosen by rank 0 (where it is hosted)."""
-        return self._call(self.workers[0], "weight_group_address", meta, rpc_meta=NO_BROADCAST)
+        return _alone(self.ranks[0]).weight_group_address(meta)
 
     def join_weight_group(self, meta: WeightUpdateMeta) -> None:
-        self._on_all("join_weight_group", meta, rpc_meta=NO_BROADCAST)
+        self._on_all(lambda rank: _alone(rank).join_weight_group.acall(meta))
 
     def weight_buckets(self, meta: WeightUpdateMeta) -> list[list[ParamSpec]]:
         """Rank 0's bucket plan (producing it is a collective on every rank)."""
-        return self._on_all("weight_buckets", meta, rpc_meta=NO_BROADCAST)[0]
+        return self._on_all(lambda rank: _alone(rank).weight_buckets.acall(meta))[0]
 
     def send_weights(self, meta: WeightUpdateMeta) -> None:
         """Every rank's half of one update (the rollout side receives meanwhile)."""
-        self._on_all("send_weights", meta, rpc_meta=NO_BROADCAST)
+        self._on_all(lambda rank: _alone(rank).send_weights.acall(meta))
 
     def set_version(self, version: int) -> None:
-        self._on_all("set_version", version)
+        self._on_all(lambda rank: rank.set_version.acall(version))
 
     def get_version(self) -> int:
         """DP rank 0's version (one rank only, so no argument broadcast on the worker)."""
-        head = self.dp_heads[0] if self.dp_heads else self.workers[0]
-        return self._call(head, "get_version", rpc_meta=NO_BROADCAST)
+        head = self.ranks[self._head_index[0]] if self._head_index else self.ranks[0]
+        return _alone(head).get_version()
 
     def save(self, meta: SaveLoadMeta) -> None:
-        self._on_all("save", _without_tokenizer(meta))
+        self._on_all(lambda rank: rank.save.acall(_without_tokenizer(meta)))
 
     def load(self, meta: SaveLoadMeta) -> None:
-        self._on_all("load", _without_tokenizer(meta))
+        self._on_all(lambda rank: rank.load.acall(_without_tokenizer(meta)))
 
     def export_stats(self) -> dict[str, float]:
         """The engines' stats reduced over DP (a collective on every rank), from a head."""
-        return self._from_head("export_stats") or {}
+        return self._from_head(lambda rank: rank.export_stats.acall()) or {}
 
     def should_compute_prox_logp(self) -> bool:
         return self.config.should_compute_prox_logp()
 
 
-def _all_or_first_failure(
-    pool: concurrent.futures.ThreadPoolExecutor, futures: list[concurrent.futures.Future]
-) -> list[Any]:
-    """Every result, or the first failure at once.
-
-    When one rank fails, the others may wait in a collective that can no longer complete;
-    waiting for them would hang the controller, so the error is raised without them (the
-    run's teardown stops their workers).
-    """
-    try:
-        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
-        for future in futures:
-            if future.done() and future.exception() is not None:
-                raise future.exception()
-        return [f.result() for f in futures]
-    finally:
-        pool.shutdown(wait=False)
+async def _gather(calls: Any) -> list[Any]:
+    """Every call's result, in order, or the first failure at once (the others run on)."""
+    return list(await asyncio.gather(*calls))
 
 
 def _without_tokenizer(meta: SaveLoadMeta) -> SaveLoadMeta:

@@ -1,4 +1,9 @@
-"""HTTP client of one worker's RPC server, with the retry rules of §10.1.
+"""Async HTTP client of one worker's RPC server, with the retry rules of engine calls.
+
+Every request is a coroutine, stated once, that runs on the controller's RPC loop
+(:mod:`areal.infra.rpc.loop`), where the client's pooled connections live; one awaited on
+another loop is handed over, and synchronous code uses
+:func:`~areal.infra.rpc.loop.run_sync`.
 
 Every request, ``/health`` included, is signed with the experiment token (the ``token``
 argument, else ``$AREAL_RPC_TOKEN``) as :mod:`areal.infra.rpc.auth` describes; the token
@@ -6,14 +11,14 @@ itself is never sent. Every answer must carry the worker's signature for that re
 one that does not (a process that is not a worker of this run, or a relay) raises
 :class:`~areal.infra.scheduler.exceptions.RPCAuthenticationError` and is never acted
 on. Engine calls are retried on timeouts, connection errors, 503, and 500s whose error
-mentions "timeout", with exponential backoff (each attempt signed afresh);
-``max_retries`` is the total number of attempts. Before each attempt an optional
-``liveness_check`` runs, so a dead worker surfaces as the scheduler's
-``WorkerFailedError`` instead of a string of connection errors.
+mentions "timeout", with exponential backoff (``retry_delay * 2**(n - 1)`` after attempt
+``n``, each attempt signed afresh); ``max_retries`` is the total number of attempts.
+Before each attempt an optional ``liveness_check`` runs, so a dead worker surfaces as the
+scheduler's ``WorkerFailedError`` instead of a string of connection errors.
 
-No request carries a secret in clear (DESIGN 15): a :class:`~areal.utils.secrets.SecretStr`
-in a config or argument goes as the name of the worker environment variable that holds
-it (``secret_env``, exported by the scheduler; :mod:`areal.infra.rpc.secret_env`), one of
+No request carries a secret in clear: a :class:`~areal.utils.secrets.SecretStr` in a
+config or argument goes as the name of the worker environment variable that holds it
+(``secret_env``, exported by the scheduler; :mod:`areal.infra.rpc.secret_env`), one of
 the run's secrets that this worker's role does not use (``withheld_secrets``) is sent
 redacted, and any other is refused before anything is sent.
 """
@@ -22,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -30,6 +34,7 @@ import httpx
 
 from areal.api.scheduler_api import RPC_TOKEN_ENV
 from areal.infra.rpc.auth import RequestSigner, SignatureError
+from areal.infra.rpc.loop import on_rpc_loop
 from areal.infra.rpc.secret_env import secret_refs
 from areal.infra.rpc.serialization import (
     deserialize_value,
@@ -47,7 +52,8 @@ from areal.infra.scheduler.exceptions import (
     SchedulerError,
     WorkerConfigurationError,
 )
-from areal.utils.network import httpx_transport
+from areal.utils.network import NO_DELAY
+from areal.utils.retry import RetryPolicy
 from areal.utils.secrets import SecretStr, reveal
 
 __all__ = ["RPCClient"]
@@ -55,6 +61,8 @@ __all__ = ["RPCClient"]
 CONTROL_TIMEOUT = 60.0  # seconds for fork / configure / set_env / alloc_ports
 CREATE_ENGINE_TIMEOUT = 600.0
 _RETRY_STATUSES = frozenset({503})
+# answers bigger than this are decoded off the RPC loop, which keeps serving meanwhile
+_DECODE_INLINE_BYTES = 64 * 1024
 
 
 def _error_text(response: httpx.Response) -> str:
@@ -71,6 +79,10 @@ def _retryable(response: httpx.Response) -> bool:
     if response.status_code in _RETRY_STATUSES:
         return True
     return response.status_code == 500 and "timeout" in _error_text(response).lower()
+
+
+def _unanswered(error: BaseException) -> bool:
+    return isinstance(error, httpx.TransportError)  # timeouts and connection errors
 
 
 def _plain_env(env: Mapping[str, str], path: str) -> Mapping[str, str]:
@@ -99,7 +111,8 @@ class RPCClient:
         withheld_secrets: Iterable[str] = (),
     ):
         """``secret_env``: ``{variable name: secret}`` the worker has in its environment;
-        ``withheld_secrets``: the run's secrets it is not given (they arrive empty)."""
+        ``withheld_secrets``: the run's secrets it is not given (they arrive empty).
+        ``liveness_check`` may block (it runs off the RPC loop)."""
         self.address = address
         self.worker_id = worker_id or address
         self.base_url = f"http://{address}"
@@ -115,12 +128,24 @@ class RPCClient:
             **{reveal(s): "" for s in withheld_secrets if reveal(s)},
             **secret_refs(secret_env or {}),
         }
-        self._client = self._new_client(httpx.Client)
+        self._http: httpx.AsyncClient | None = None  # made on the RPC loop, at first use
 
-    def _new_client(self, cls: type) -> Any:
-        headers = {"content-type": "application/json"}
-        options = {"transport": httpx_transport()} if cls is httpx.Client else {}
-        return cls(base_url=self.base_url, headers=headers, auth=self._auth, **options)
+    def _client(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(
+                base_url=self.base_url,
+                headers={"content-type": "application/json"},
+                auth=self._auth,
+                transport=httpx.AsyncHTTPTransport(socket_options=NO_DELAY),
+            )
+        return self._http
+
+    @on_rpc_loop
+    async def close(self) -> None:
+        """Close the pooled connections (a later request opens new ones)."""
+        if self._http is not None:
+            http, self._http = self._http, None
+            await http.aclose()
 
     def _unauthenticated(self, path: str, error: SignatureError) -> RPCAuthenticationError:
         return RPCAuthenticationError(
@@ -128,21 +153,27 @@ class RPCClient:
             "there did not prove it holds this run's RPC token, so nothing it says is used"
         )
 
-    def close(self) -> None:
-        self._client.close()
+    async def _post(self, path: str, content: bytes, timeout: float) -> httpx.Response:
+        """One signed POST; an answer without the worker's signature raises."""
+        try:
+            return await self._client().post(path, content=content, timeout=timeout)
+        except SignatureError as e:
+            raise self._unauthenticated(path, e) from None
 
-    def __enter__(self) -> RPCClient:
-        return self
+    def _encode(self, value: Any) -> Any:
+        return serialize_value(value, secret_env=self._secret_refs)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    async def _check_liveness(self) -> None:
+        if self._liveness_check is not None:
+            await asyncio.to_thread(self._liveness_check)  # e.g. squeue: never on the loop
 
     # --- control endpoints ---
 
-    def health(self, timeout: float = 5.0) -> dict[str, Any]:
+    @on_rpc_loop
+    async def health(self, timeout: float = 5.0) -> dict[str, Any]:
         """``GET /health``; raises :class:`RPCConnectionError` when unreachable or unhealthy."""
         try:
-            response = self._client.get("/health", timeout=timeout)
+            response = await self._client().get("/health", timeout=timeout)
         except httpx.HTTPError as e:
             raise RPCConnectionError(f"worker {self.worker_id} at {self.address}: {e}") from e
         except SignatureError as e:
@@ -158,11 +189,11 @@ class RPCClient:
             )
         return json_loads(response.content)
 
-    def alloc_ports(self, count: int) -> list[int]:
-        data = self._control("/alloc_ports", {"count": count}, PortAllocationError)
+    async def alloc_ports(self, count: int) -> list[int]:
+        data = await self._control("/alloc_ports", {"count": count}, PortAllocationError)
         return [int(p) for p in data["ports"]]
 
-    def fork(
+    async def fork(
         self,
         role: str,
         worker_index: int,
@@ -173,32 +204,23 @@ class RPCClient:
         body: dict[str, Any] = {"role": role, "worker_index": worker_index, "raw_cmd": raw_cmd}
         if env:
             body["env"] = _plain_env(env, "/fork")
-        return self._control("/fork", body, SchedulerError)
+        return await self._control("/fork", body, SchedulerError)
 
-    def kill_forked_worker(self, role: str, worker_index: int) -> dict[str, Any]:
+    async def kill_forked_worker(self, role: str, worker_index: int) -> dict[str, Any]:
         body = {"role": role, "worker_index": worker_index}
-        return self._control("/kill_forked_worker", body, SchedulerError)
+        return await self._control("/kill_forked_worker", body, SchedulerError)
 
-    def set_env(self, env: dict[str, str]) -> None:
-        self._control("/set_env", {"env": _plain_env(env, "/set_env")}, WorkerConfigurationError)
-
-    async def async_set_env(self, env: dict[str, str]) -> None:
+    async def set_env(self, env: dict[str, str]) -> None:
         body = {"env": _plain_env(env, "/set_env")}
-        await self._async_control("/set_env", body, WorkerConfigurationError)
+        await self._control("/set_env", body, WorkerConfigurationError)
 
-    def _encode(self, value: Any) -> Any:
-        return serialize_value(value, secret_env=self._secret_refs)
-
-    def configure(self, config: Any, role: str, rank: int) -> dict[str, Any]:
-        """``POST /configure``; secrets in ``config`` go by reference (DESIGN 15)."""
+    async def configure(self, config: Any, role: str, rank: int) -> dict[str, Any]:
+        """``POST /configure``; secrets in ``config`` go by reference."""
         body = {"config": self._encode(config), "role": role, "rank": rank}
-        return self._control("/configure", body, WorkerConfigurationError)
+        return await self._control("/configure", body, WorkerConfigurationError)
 
-    async def async_configure(self, config: Any, role: str, rank: int) -> dict[str, Any]:
-        body = {"config": self._encode(config), "role": role, "rank": rank}
-        return await self._async_control("/configure", body, WorkerConfigurationError)
-
-    def _control(
+    @on_rpc_loop
+    async def _control(
         self,
         path: str,
         body: dict[str, Any],
@@ -206,32 +228,9 @@ class RPCClient:
         timeout: float = CONTROL_TIMEOUT,
     ) -> dict[str, Any]:
         try:
-            response = self._client.post(path, content=json_dumps(body), timeout=timeout)
+            response = await self._post(path, json_dumps(body), timeout)
         except httpx.HTTPError as e:
             raise RPCConnectionError(f"{path} on worker {self.worker_id}: {e}") from e
-        except SignatureError as e:
-            raise self._unauthenticated(path, e) from None
-        return self._control_result(path, response, error)
-
-    async def _async_control(
-        self,
-        path: str,
-        body: dict[str, Any],
-        error: type[SchedulerError],
-        timeout: float = CONTROL_TIMEOUT,
-    ) -> dict[str, Any]:
-        try:
-            async with self._new_client(httpx.AsyncClient) as c:
-                response = await c.post(path, content=json_dumps(body), timeout=timeout)
-        except httpx.HTTPError as e:
-            raise RPCConnectionError(f"{path} on worker {self.worker_id}: {e}") from e
-        except SignatureError as e:
-            raise self._unauthenticated(path, e) from None
-        return self._control_result(path, response, error)
-
-    def _control_result(
-        self, path: str, response: httpx.Response, error: type[SchedulerError]
-    ) -> dict[str, Any]:
         if response.status_code == 401:
             raise error(
                 f"{path} on worker {self.worker_id}: the worker refused our signature: "
@@ -247,17 +246,26 @@ class RPCClient:
 
     # --- engines ---
 
-    def _create_body(self, engine: str, engine_name: str, args: tuple, kwargs: dict) -> bytes:
-        return json_dumps(
-            {
-                "engine": engine,
-                "engine_name": engine_name,
-                "init_args": self._encode(list(args)),
-                "init_kwargs": self._encode(kwargs),
-            }
+    @on_rpc_loop
+    async def create_engine(
+        self, engine: str, engine_name: str | None = None, *args: Any, **kwargs: Any
+    ) -> str:
+        """Build ``engine`` (``"<module>.<Class>"``) on the worker; returns the engine name."""
+        name = engine_name or self.worker_id
+        body = await asyncio.to_thread(
+            lambda: json_dumps(
+                {
+                    "engine": engine,
+                    "engine_name": name,
+                    "init_args": self._encode(list(args)),
+                    "init_kwargs": self._encode(kwargs),
+                }
+            )
         )
-
-    def _create_result(self, engine: str, response: httpx.Response) -> str:
+        try:
+            response = await self._post("/create_engine", body, CREATE_ENGINE_TIMEOUT)
+        except httpx.HTTPError as e:
+            raise RPCConnectionError(f"/create_engine on worker {self.worker_id}: {e}") from e
         if response.status_code == 200:
             return json_loads(response.content)["engine_name"]
         text = _error_text(response)
@@ -267,68 +275,8 @@ class RPCClient:
             raise EngineImportError(detail)
         raise EngineCreationError(f"HTTP {response.status_code}: {detail}")
 
-    def create_engine(
-        self, engine: str, engine_name: str | None = None, *args: Any, **kwargs: Any
-    ) -> str:
-        """Build ``engine`` (``"<module>.<Class>"``) on the worker; returns the engine name."""
-        name = engine_name or self.worker_id
-        body = self._create_body(engine, name, args, kwargs)
-        try:
-            response = self._client.post(
-                "/create_engine", content=body, timeout=CREATE_ENGINE_TIMEOUT
-            )
-        except httpx.HTTPError as e:
-            raise RPCConnectionError(f"/create_engine on worker {self.worker_id}: {e}") from e
-        except SignatureError as e:
-            raise self._unauthenticated("/create_engine", e) from None
-        return self._create_result(engine, response)
-
-    async def async_create_engine(
-        self, engine: str, engine_name: str | None = None, *args: Any, **kwargs: Any
-    ) -> str:
-        name = engine_name or self.worker_id
-        body = self._create_body(engine, name, args, kwargs)
-        try:
-            async with self._new_client(httpx.AsyncClient) as c:
-                response = await c.post(
-                    "/create_engine", content=body, timeout=CREATE_ENGINE_TIMEOUT
-                )
-        except httpx.HTTPError as e:
-            raise RPCConnectionError(f"/create_engine on worker {self.worker_id}: {e}") from e
-        except SignatureError as e:
-            raise self._unauthenticated("/create_engine", e) from None
-        return self._create_result(engine, response)
-
-    def _call_body(
-        self,
-        method: str,
-        engine_name: str | None,
-        args: tuple,
-        kwargs: dict,
-        rpc_meta: dict | None,
-    ) -> bytes:
-        return json_dumps(
-            {
-                "method": method,
-                "engine_name": engine_name or self.worker_id,
-                "args": self._encode(list(args)),
-                "kwargs": self._encode(kwargs),
-                "rpc_meta": rpc_meta,
-            }
-        )
-
-    def _call_outcome(
-        self, method: str, response: httpx.Response, attempt: int, last: bool
-    ) -> tuple[bool, Any]:
-        """``(done, result)``; raises :class:`EngineCallError` for a final failure."""
-        if response.status_code == 200:
-            return True, deserialize_value(json_loads(response.content).get("result"))
-        if _retryable(response) and not last:
-            return False, None
-        detail = f"HTTP {response.status_code}: {_error_text(response)}"
-        raise EngineCallError(self.worker_id, method, detail, attempt)
-
-    def call_engine(
+    @on_rpc_loop
+    async def call_engine(
         self,
         method: str,
         *args: Any,
@@ -340,60 +288,40 @@ class RPCClient:
         **kwargs: Any,
     ) -> Any:
         """``POST /call``: ``engine.method(*args, **kwargs)`` on the worker; its result."""
-        body = self._call_body(method, engine_name, args, kwargs, rpc_meta)
-        attempts = max(1, max_retries)
-        for attempt in range(1, attempts + 1):
-            if self._liveness_check is not None:
-                self._liveness_check()
-            last = attempt == attempts
-            try:
-                response = self._client.post("/call", content=body, timeout=http_timeout)
-            except (httpx.TimeoutException, httpx.TransportError) as e:
-                if last:
-                    self._fail_unreachable(method, e, attempt)
-            except SignatureError as e:
-                raise self._unauthenticated("/call", e) from None
-            else:
-                done, result = self._call_outcome(method, response, attempt, last)
-                if done:
-                    return result
-            time.sleep(retry_delay * 2 ** (attempt - 1))
-        raise AssertionError("unreachable")
+        # encoded off the loop: a batch of tensors takes a while, and other calls go on
+        body = await asyncio.to_thread(
+            lambda: json_dumps(
+                {
+                    "method": method,
+                    "engine_name": engine_name or self.worker_id,
+                    "args": self._encode(list(args)),
+                    "kwargs": self._encode(kwargs),
+                    "rpc_meta": rpc_meta,
+                }
+            )
+        )
+        attempts = 0
 
-    async def async_call_engine(
-        self,
-        method: str,
-        *args: Any,
-        engine_name: str | None = None,
-        rpc_meta: dict[str, Any] | None = None,
-        http_timeout: float = 7200.0,
-        max_retries: int = 3,
-        retry_delay: float = 1.0,
-        **kwargs: Any,
-    ) -> Any:
-        body = self._call_body(method, engine_name, args, kwargs, rpc_meta)
-        attempts = max(1, max_retries)
-        async with self._new_client(httpx.AsyncClient) as client:
-            for attempt in range(1, attempts + 1):
-                if self._liveness_check is not None:
-                    self._liveness_check()
-                last = attempt == attempts
-                try:
-                    response = await client.post("/call", content=body, timeout=http_timeout)
-                except (httpx.TimeoutException, httpx.TransportError) as e:
-                    if last:
-                        self._fail_unreachable(method, e, attempt)
-                except SignatureError as e:
-                    raise self._unauthenticated("/call", e) from None
-                else:
-                    done, result = self._call_outcome(method, response, attempt, last)
-                    if done:
-                        return result
-                await asyncio.sleep(retry_delay * 2 ** (attempt - 1))
-        raise AssertionError("unreachable")
+        async def attempt() -> httpx.Response:
+            nonlocal attempts
+            attempts += 1
+            await self._check_liveness()
+            return await self._post("/call", body, http_timeout)
 
-    def _fail_unreachable(self, method: str, error: Exception, attempt: int) -> None:
-        if self._liveness_check is not None:
-            self._liveness_check()  # a dead worker explains the failure better
-        detail = f"no answer from {self.address}: {type(error).__name__}: {error}"
-        raise EngineCallError(self.worker_id, method, detail, attempt) from error
+        policy = RetryPolicy(attempts=max(1, max_retries), first_delay=retry_delay)
+        try:
+            response = await policy.acall(
+                attempt, retry_on_exception=_unanswered, retry_on_result=_retryable
+            )
+        except httpx.TransportError as e:
+            await self._check_liveness()  # a dead worker explains the failure better
+            detail = f"no answer from {self.address}: {type(e).__name__}: {e}"
+            raise EngineCallError(self.worker_id, method, detail, attempts) from e
+        if response.status_code != 200:
+            detail = f"HTTP {response.status_code}: {_error_text(response)}"
+            raise EngineCallError(self.worker_id, method, detail, attempts)
+        if len(response.content) <= _DECODE_INLINE_BYTES:
+            return deserialize_value(json_loads(response.content).get("result"))
+        return await asyncio.to_thread(
+            lambda: deserialize_value(json_loads(response.content).get("result"))
+        )

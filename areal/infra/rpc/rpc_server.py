@@ -1,4 +1,4 @@
-"""Worker process: an HTTP RPC server that hosts engines (§10.2).
+"""Worker process: an HTTP RPC server that hosts engines.
 
 Run as ``python -m areal.infra.rpc.rpc_server --role actor --worker-index 0 ...``. The
 server registers ``"<ip>:<port>"`` under :func:`areal.utils.names.worker` so the
@@ -22,8 +22,10 @@ between body chunks (408), idle keep-alive connections closed after
 envelopes of :mod:`areal.infra.rpc.serialization`; errors are ``{"error": ...}``.
 
 Engine work never runs on the event loop: every construction and call goes through one
-dedicated engine thread, one at a time, which keeps collective operations (NCCL) in a
-fixed order while ``/health`` stays responsive during a long training step.
+dedicated engine thread (:mod:`areal.infra.rpc.engine_thread`). ``/call`` runs only the
+methods the engine's interfaces declare (:func:`~areal.api.engine_api.interface_methods`),
+the same names a controller's :class:`~areal.infra.rpc.remote_engine.RemoteEngine`
+accepts; any other name is refused with a 400 that names it.
 """
 
 from __future__ import annotations
@@ -32,14 +34,11 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
-import inspect
 import os
-import queue
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,9 +47,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from areal.api.engine_api import InferenceEngine, TrainEngine
+from areal.api.engine_api import InferenceEngine, TrainEngine, interface_methods
 from areal.api.scheduler_api import RPC_TOKEN_ENV
 from areal.infra.rpc.auth import max_clock_skew
+from areal.infra.rpc.engine_thread import EngineThread, broadcast_from_head, invoke
 from areal.infra.rpc.guard import (
     AUTH_SCOPE_KEY,
     LIMIT_FLAGS,
@@ -75,53 +75,12 @@ from areal.utils.paths import get_log_path
 from areal.utils.secrets import refuse_printed_form
 from areal.utils.seeding import set_random_seed
 
-__all__ = ["EngineThread", "WorkerServer", "main", "parse_args"]
+__all__ = ["EngineThread", "WorkerServer", "broadcast_from_head", "main", "parse_args"]
 
 logger = logging.getLogger("rpc.server")
 
 DESTROY_TIMEOUT = 20.0  # seconds for all engines' destroy() at shutdown
 FORK_KILL_GRACE = 5.0
-
-
-class EngineThread:
-    """A daemon thread that runs submitted functions one at a time, in order.
-
-    It owns an event loop for engine methods that are coroutines (:meth:`run_coroutine`).
-    Daemon, so a stuck engine call cannot keep the process alive at exit.
-    """
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
-
-    def submit(
-        self, fn: Callable[..., Any], *args: Any, **kwargs: Any
-    ) -> concurrent.futures.Future:
-        future: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((future, fn, args, kwargs))
-        return future
-
-    def stop(self) -> None:
-        self._queue.put(None)
-
-    def run_coroutine(self, coro: Any) -> Any:
-        """Run ``coro`` to completion; only from a function running on this thread."""
-        return self._loop.run_until_complete(coro)
-
-    def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args, kwargs = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = fn(*args, **kwargs)
-            except BaseException as e:  # delivered to the caller, whatever it is
-                future.set_exception(e)
-            else:
-                future.set_result(result)
-        self._loop.close()
 
 
 class _BadRequestError(Exception):
@@ -145,59 +104,6 @@ async def _body(request: Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise _BadRequestError("body must be a JSON object")
     return data
-
-
-def _is_initialized_train_engine(engine: Any) -> bool:
-    if not isinstance(engine, TrainEngine):
-        return False
-    initialized = getattr(engine, "initialized", None)
-    if initialized is not None:
-        return bool(initialized)
-    dist = sys.modules.get("torch.distributed")
-    return bool(dist is not None and dist.is_available() and dist.is_initialized())
-
-
-def _model_parallel_group(engine: Any) -> Any:
-    """The group a DP head shares its arguments with (None for data-parallel-only engines)."""
-    for attr in ("context_and_model_parallel_group", "model_parallel_group"):
-        group = getattr(engine, attr, None)
-        if group is not None:
-            return group
-    return None
-
-
-def broadcast_from_head(engine: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """The DP head's ``args``/``kwargs`` on every rank of its model-parallel group.
-
-    A no-op unless the engine exposes such a group with more than one rank. The
-    arguments travel as JSON bytes in a uint8 tensor (never pickled).
-    """
-    group = _model_parallel_group(engine)
-    if group is None:
-        return args, kwargs
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_world_size(group) <= 1:
-        return args, kwargs
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
-    src = engine.current_data_parallel_head()
-    head = engine.is_data_parallel_head()
-    if head:
-        payload = json_dumps(serialize_value([list(args), kwargs]))
-        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src, group=group)
-    if not head:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(data, src=src, group=group)
-    new_args, new_kwargs = deserialize_value(json_loads(data.cpu().numpy().tobytes()))
-    return tuple(new_args), new_kwargs
 
 
 class WorkerServer:
@@ -411,7 +317,12 @@ class WorkerServer:
             engine = self.engines.get(name) if isinstance(name, str) else None
             if engine is None:
                 return _error(404, f"no engine named {name!r} on this worker")
-            fn = None if method.startswith("_") else getattr(engine, method, None)
+            if method not in interface_methods(type(engine)):
+                raise _BadRequestError(
+                    f"engine {name!r} ({type(engine).__name__}) has no method {method!r} "
+                    "in its engine interfaces; only those are called over RPC"
+                )
+            fn = getattr(engine, method, None)
             if not callable(fn):
                 raise _BadRequestError(f"engine {name!r} has no method {method!r}")
             args = deserialize_value(body.get("args") or [])
@@ -425,7 +336,9 @@ class WorkerServer:
             return _error(400, str(e))
         try:
             result, is_head = await asyncio.wrap_future(
-                self.engine_thread.submit(self._invoke, engine, fn, args, kwargs, rpc_meta)
+                self.engine_thread.submit(
+                    invoke, self.engine_thread, engine, fn, args, kwargs, rpc_meta
+                )
             )
             # waited here, not on the engine thread, so work the future depends on can run
             if isinstance(result, concurrent.futures.Future):
@@ -443,19 +356,6 @@ class WorkerServer:
             with self._lock:
                 self.engines.pop(name, None)  # destroyed once; shutdown must not repeat it
         return _json({"status": "success", "result": payload})
-
-    def _invoke(
-        self, engine: Any, fn: Callable[..., Any], args: list, kwargs: dict, rpc_meta: dict
-    ) -> tuple[Any, bool]:
-        """Runs on the engine thread: the optional DP-head broadcast, then the call."""
-        train = _is_initialized_train_engine(engine)
-        head = not train or engine.is_data_parallel_head()  # asked before: destroy() drops groups
-        if train and rpc_meta.get("broadcast", True) is not False:
-            args, kwargs = broadcast_from_head(engine, tuple(args), kwargs)
-        result = fn(*args, **kwargs)
-        if inspect.iscoroutine(result):
-            result = self.engine_thread.run_coroutine(result)
-        return result, head
 
     # --- shutdown ---
 

@@ -1,4 +1,4 @@
-"""``RTensor``: the reference's remote-tensor reference, kept as an import path (§10.5).
+"""``RTensor``: the reference's remote-tensor reference, kept as an import path.
 
 The reference stored RPC result tensors on the producing worker and handed out
 ``(shard_id, node_addr)`` references that consumers fetched over HTTP. This port sends

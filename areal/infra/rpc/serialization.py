@@ -1,4 +1,4 @@
-"""JSON-safe encoding of RPC arguments and results, with typed envelopes (§10.5).
+"""JSON-safe encoding of RPC arguments and results, with typed envelopes.
 
 Plain JSON values pass through unchanged. Everything else becomes an *envelope*, a JSON
 object whose ``"__areal_type__"`` key names the kind:

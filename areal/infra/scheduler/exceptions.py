@@ -1,4 +1,4 @@
-"""Errors raised by schedulers and the worker RPC client (§10.1)."""
+"""Errors raised by schedulers and the worker RPC client."""
 
 from __future__ import annotations
 

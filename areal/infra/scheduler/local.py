@@ -1,4 +1,4 @@
-"""``LocalScheduler``: workers as subprocesses of the controller on this machine (§10.6).
+"""``LocalScheduler``: workers as subprocesses of the controller on this machine.
 
 Each worker runs ``python -m areal.infra.rpc.rpc_server`` (or the spec's ``cmd``) in its
 own session, with GPUs assigned round-robin through ``CUDA_VISIBLE_DEVICES``, its output

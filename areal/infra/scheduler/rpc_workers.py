@@ -2,7 +2,7 @@
 
 A concrete scheduler (local subprocesses, Slurm jobs) only decides how a role's worker
 processes start, whether they still run, and how they stop. Everything else lives here
-and behaves the same on every backend (§10.1):
+and behaves the same on every backend:
 
 * roles and worker ids (``<role>/<index>``), colocation as a fork or as an alias,
 * discovery: each worker registers ``"<ip>:<port>"`` under
@@ -12,7 +12,8 @@ and behaves the same on every backend (§10.1):
   request goes to its address, and a worker counts as found only once its signed
   ``/health`` answer verifies (:mod:`areal.infra.rpc.auth`),
 * forking one new worker per target worker through the target's ``/fork``,
-* engine creation and calls (with the liveness check of the backend),
+* engine creation and calls (with the liveness check of the backend), each stated once
+  as a coroutine on the RPC loop (:mod:`areal.infra.rpc.loop`),
 * teardown: engines destroyed over RPC, dependents first, and an ``atexit`` and
   SIGINT/SIGTERM hook that stops whatever the controller started.
 
@@ -30,20 +31,17 @@ removes once read (teardown removes any left over).
 from __future__ import annotations
 
 import abc
-import concurrent.futures
-import os
-import shlex
+import asyncio
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from areal.api.cli_args import SchedulingSpec
 from areal.api.scheduler_api import Job, Scheduler, Worker
 from areal.infra.rpc.client import RPCClient
-from areal.infra.rpc.processes import LoggedProcess
+from areal.infra.rpc.loop import run_sync
 from areal.infra.rpc.secret_env import SECRETS_FILE_ENV, SecretScope
 from areal.infra.rpc.serialization import SerializationError
 from areal.infra.scheduler.exceptions import (
@@ -57,6 +55,13 @@ from areal.infra.scheduler.exceptions import (
 )
 from areal.infra.scheduler.run_secrets import RunSecrets
 from areal.infra.scheduler.teardown import teardown
+from areal.infra.scheduler.worker_records import (
+    WorkerHandle,
+    WorkerRole,
+    controller_python_path,
+    module_of,
+    parallel,
+)
 from areal.utils import logging, name_resolve, names
 from areal.utils.config_utils import redact_sensitive_config
 from areal.utils.paths import get_log_path
@@ -77,36 +82,6 @@ logger = logging.getLogger("scheduler")
 
 RPC_SERVER_MODULE = "areal.infra.rpc.rpc_server"
 FORK_HEALTH_TIMEOUT = 60.0
-
-
-@dataclass
-class WorkerHandle:
-    """What a scheduler knows about one worker id."""
-
-    id: str
-    role: str
-    index: int
-    process: LoggedProcess | None = None  # a local subprocess of the controller
-    pid: int | None = None  # forked on another worker (its parent is parent_id)
-    parent_id: str | None = None
-    alias_of: str | None = None  # shares the process of this worker id
-    gpus: list[str] = field(default_factory=list)
-    client: RPCClient | None = None
-    worker: Worker | None = None
-    engines: list[str] = field(default_factory=list)
-
-
-@dataclass
-class WorkerRole:
-    """A role's workers: ``process`` (started by the backend), ``forked`` or ``alias``."""
-
-    name: str
-    kind: Literal["process", "forked", "alias"]
-    worker_ids: list[str]
-    spec: SchedulingSpec
-    target: str | None = None
-    ready: list[Worker] | None = None
-    secrets: SecretScope = "none"
 
 
 class RPCWorkerScheduler(Scheduler):
@@ -353,11 +328,9 @@ class RPCWorkerScheduler(Scheduler):
                         f"{self._pending_hint(r)}; see {self.log_dir / (role + '.log')}"
                     )
                 time.sleep(self.poll_interval)
-        extra_ports = r.spec.port_count - 1
         handles = [self._handles[wid] for wid in r.worker_ids]
-        workers = parallel(lambda h: self._finish_worker(h, extra_ports), handles)
-        r.ready = workers
-        return list(workers)
+        r.ready = run_sync(self._finish_workers(handles, r.spec.port_count - 1))
+        return list(r.ready)
 
     def _discover(self, h: WorkerHandle) -> bool:
         """Whether ``h`` has registered and answers ``/health`` (raises if it died)."""
@@ -372,12 +345,12 @@ class RPCWorkerScheduler(Scheduler):
             raise WorkerConfigurationError(f"worker {h.id}: {e}") from None
         client = self._make_client(h, address)
         try:
-            client.health(timeout=2.0)  # signed both ways: only a real worker passes
+            run_sync(client.health(timeout=2.0))  # signed both ways: only a real worker passes
         except RPCConnectionError:
-            client.close()
+            run_sync(client.close())
             return False
         except RPCAuthenticationError:
-            client.close()
+            run_sync(client.close())
             raise
         h.client = client
         return True
@@ -393,16 +366,22 @@ class RPCWorkerScheduler(Scheduler):
             withheld_secrets=withheld,
         )
 
-    def _finish_worker(self, h: WorkerHandle, extra_ports: int) -> Worker:
+    async def _finish_workers(self, handles: list[WorkerHandle], extra_ports: int) -> list[Worker]:
+        """Every worker's extra ports reserved and its ``/configure`` sent, at once."""
+        return list(await asyncio.gather(*(self._finish(h, extra_ports) for h in handles)))
+
+    async def _finish(self, h: WorkerHandle, extra_ports: int) -> Worker:
         """Reserve the extra ports and configure the worker; its ``Worker`` record."""
         assert h.client is not None
         ip, port = h.client.address.rsplit(":", 1)
-        extra = [str(p) for p in h.client.alloc_ports(extra_ports)] if extra_ports > 0 else []
+        extra = []
+        if extra_ports > 0:
+            extra = [str(p) for p in await h.client.alloc_ports(extra_ports)]
         try:
-            h.client.configure(self.config, h.role, h.index)
+            await h.client.configure(self.config, h.role, h.index)
         except SerializationError:
             # a config class outside the allowlisted packages: send its fields as a dict
-            h.client.configure(redact_sensitive_config(self.config), h.role, h.index)
+            await h.client.configure(redact_sensitive_config(self.config), h.role, h.index)
         h.worker = Worker(h.id, ip, [port, *extra], extra)
         return h.worker
 
@@ -438,21 +417,21 @@ class RPCWorkerScheduler(Scheduler):
             values = self.worker_secrets(role)
             for index, tw in enumerate(target_workers):
                 parent = self._client_of(tw.id)
-                port = parent.alloc_ports(1)[0]
+                port = run_sync(parent.alloc_ports(1))[0]
                 raw_cmd = [python, "-m", module, "--host", tw.ip, "--port", str(port)]
                 raw_cmd += self._identity_flags(role, index)
                 # the child's secrets come from a private file it removes once read, not
                 # from its parent's environment
                 secrets_file = str(self._write_secrets(f"{role}.{index}", values))
-                info = parent.fork(role, index, raw_cmd, env={SECRETS_FILE_ENV: secrets_file})
+                env = {SECRETS_FILE_ENV: secrets_file}
+                info = run_sync(parent.fork(role, index, raw_cmd, env=env))
                 h = WorkerHandle(
                     f"{role}/{index}", role, index, pid=int(info["pid"]), parent_id=tw.id
                 )
                 h.client = self._make_client(h, f"{tw.ip}:{port}")
                 forked.append(h)
             parallel(self._wait_forked, forked)
-            n_extra = len(target_workers[0].engine_ports)
-            workers = parallel(lambda h: self._finish_worker(h, n_extra), forked)
+            workers = run_sync(self._finish_workers(forked, len(target_workers[0].engine_ports)))
         except Exception:
             parallel(self._stop_forked, forked)
             raise
@@ -465,7 +444,7 @@ class RPCWorkerScheduler(Scheduler):
         while True:
             self._check_alive(h)
             try:
-                h.client.health(timeout=2.0)
+                run_sync(h.client.health(timeout=2.0))
                 return
             except RPCConnectionError:
                 if time.monotonic() > deadline:
@@ -476,7 +455,7 @@ class RPCWorkerScheduler(Scheduler):
 
     def _stop_forked(self, h: WorkerHandle) -> None:
         try:
-            self._client_of(h.parent_id).kill_forked_worker(h.role, h.index)
+            run_sync(self._client_of(h.parent_id).kill_forked_worker(h.role, h.index))
         except (SchedulerError, KeyError) as e:
             logger.debug("kill_forked_worker %s via its parent failed: %s", h.id, e)
         self._kill_forked(h)
@@ -507,40 +486,14 @@ class RPCWorkerScheduler(Scheduler):
         self, worker_id: str, engine: str, engine_name: str | None = None, *args, **kwargs
     ) -> Any:
         h = self._handle(worker_id)
-        name = await self._client_of(worker_id).async_create_engine(
+        name = await self._client_of(worker_id).create_engine(
             engine, engine_name or worker_id, *args, **kwargs
         )
         h.engines.append(name)
         return name
 
     async def set_worker_env(self, worker_id: str, env: dict[str, str]) -> None:
-        await self._client_of(worker_id).async_set_env(env)
-
-    def call_engine(
-        self,
-        worker_id: str,
-        method: str,
-        *args: Any,
-        engine_name: str | None = None,
-        rpc_meta: dict[str, Any] | None = None,
-        http_timeout: float = 7200.0,
-        max_retries: int = 3,
-        retry_delay: float = 1.0,
-        **kwargs: Any,
-    ) -> Any:
-        result = self._client_of(worker_id).call_engine(
-            method,
-            *args,
-            engine_name=engine_name or worker_id,
-            rpc_meta=rpc_meta,
-            http_timeout=http_timeout,
-            max_retries=max_retries,
-            retry_delay=retry_delay,
-            **kwargs,
-        )
-        if method == "destroy":
-            self._forget_engine(worker_id, engine_name or worker_id)
-        return result
+        await self._client_of(worker_id).set_env(env)
 
     def _forget_engine(self, worker_id: str, engine_name: str) -> None:
         """A destroyed engine is not destroyed again at teardown."""
@@ -561,7 +514,7 @@ class RPCWorkerScheduler(Scheduler):
         retry_delay: float = 1.0,
         **kwargs: Any,
     ) -> Any:
-        return await self._client_of(worker_id).async_call_engine(
+        result = await self._client_of(worker_id).call_engine(
             method,
             *args,
             engine_name=engine_name or worker_id,
@@ -571,6 +524,9 @@ class RPCWorkerScheduler(Scheduler):
             retry_delay=retry_delay,
             **kwargs,
         )
+        if method == "destroy":
+            self._forget_engine(worker_id, engine_name or worker_id)
+        return result
 
     # --- teardown ---
 
@@ -602,9 +558,8 @@ class RPCWorkerScheduler(Scheduler):
             self._stop_started(r, handles)
         elif r.kind == "forked":
             parallel(self._stop_forked, handles)
-        for h in handles:
-            if h.client is not None:
-                h.client.close()
+        clients = [h.client for h in handles if h.client is not None]
+        run_sync(_all(client.close() for client in clients))
         name_resolve.clear_subtree(names.workers(self.experiment_name, self.trial_name, r.name))
         with self._lock:
             for h in handles:
@@ -620,48 +575,17 @@ class RPCWorkerScheduler(Scheduler):
                 client = self._client_of(h.id)
             except SchedulerError:
                 continue  # dead or never discovered: nothing to destroy over RPC
-            calls.extend((client, name) for name in h.engines)
-        if not calls:
-            return
+            calls.extend(self._destroy(client, name) for name in h.engines)
+        run_sync(_all(calls))
 
-        def destroy(call: tuple[RPCClient, str]) -> None:
-            client, name = call
-            try:
-                client.call_engine(
-                    "destroy", engine_name=name, http_timeout=self.destroy_timeout, max_retries=1
-                )
-            except SchedulerError as e:
-                logger.warning("destroy of engine %s failed: %s", name, e)
-
-        with concurrent.futures.ThreadPoolExecutor(min(32, len(calls))) as pool:
-            list(pool.map(destroy, calls))
+    async def _destroy(self, client: RPCClient, engine_name: str) -> None:
+        try:
+            await client.call_engine(
+                "destroy", engine_name=engine_name, http_timeout=self.destroy_timeout, max_retries=1
+            )
+        except SchedulerError as e:
+            logger.warning("destroy of engine %s failed: %s", engine_name, e)
 
 
-def parallel(fn: Any, items: list[Any]) -> list[Any]:
-    """``[fn(x) for x in items]`` on threads (worker RPCs are independent); first error wins."""
-    if len(items) <= 1:
-        return [fn(x) for x in items]
-    with concurrent.futures.ThreadPoolExecutor(min(32, len(items))) as pool:
-        return list(pool.map(fn, items))
-
-
-def module_of(cmd: str | None) -> str | None:
-    """The module of a ``python -m <module> ...`` command (None for the default)."""
-    if not cmd:
-        return None
-    parts = shlex.split(cmd)
-    if "-m" in parts and parts.index("-m") + 1 < len(parts):
-        return parts[parts.index("-m") + 1]
-    raise WorkerConfigurationError(
-        f"a forked worker runs 'python -m <module>'; cannot fork with cmd {cmd!r}"
-    )
-
-
-def controller_python_path() -> str:
-    """``PYTHONPATH`` for workers: the controller's cwd, its ``sys.path``, then the old value.
-
-    Workers can then import whatever the controller imports (example modules included).
-    """
-    original = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    paths = [os.getcwd(), *(p for p in sys.path if p), *original]
-    return os.pathsep.join(dict.fromkeys(paths))
+async def _all(calls: Any) -> list[Any]:
+    return list(await asyncio.gather(*calls))

@@ -1,4 +1,4 @@
-"""``SlurmScheduler``: one sbatch job per role, workers in containers (§10.3).
+"""``SlurmScheduler``: one sbatch job per role, workers in containers.
 
 Each role becomes ``{fileroot}/logs/{user}/{exp}/{trial}/{role}.sh``, submitted with
 ``sbatch``; its single ``srun`` step starts every replica inside the container binary

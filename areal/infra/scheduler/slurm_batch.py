@@ -1,4 +1,4 @@
-"""Batch scripts for Slurm workers: resource math, worker environment, quoting (§10.3).
+"""Batch scripts for Slurm workers: resource math, worker environment, quoting.
 
 Everything here is a pure function of a ``SchedulingSpec`` and a few settings, so the
 generated text can be unit-tested without a cluster. One role is one batch job whose

@@ -3,7 +3,8 @@
 * ``compute_logp(data)``: gradient-free log-probs of the current weights (``[B, L]``,
   position ``t`` scoring token ``t + 1``), used as ``prox_logp`` by the decoupled loss
   and, on the frozen reference model, as ``ref_logp`` by the KL penalty.
-* ``compute_advantages(data, group_sizes)``: rewards to per-token advantages (§8.1).
+* ``compute_advantages(data, group_sizes)``: rewards to per-token advantages
+  (docs/grpo.md#advantage-pipeline).
 * ``ppo_update(data)``: ``ppo_n_minibatches`` optimizer steps, each a token mean of the
   clipped (decoupled) surrogate over the global minibatch.
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from areal.api.cli_args import PPOActorConfig
-from areal.api.engine_api import TrainEngine
+from areal.api.engine_api import PPOActorEngine, TrainEngine
 from areal.engine.fsdp_engine import FSDPEngine
 from areal.engine.megatron_engine import MegatronEngine
 from areal.trainer.ppo.functions import compute_advantages, ppo_actor_loss, prox_logp_for_method
@@ -80,8 +81,9 @@ class PPOActor:
             self._log_batch_outcomes(tracker, out, data, mask, task_reward)
 
     def _log_batch_outcomes(self, tracker, out, data, mask, task_reward) -> None:
-        """The rest of §8.3's per-batch stats: solved vs unsolved rows, prompt lengths,
-        rows without EOS, the final per-token reward, and the loss settings."""
+        """The rest of the per-batch stats (docs/grpo.md#logged-statistics): solved vs
+        unsolved rows, prompt lengths, rows without EOS, the final per-token reward, and the
+        loss settings."""
         cfg = self.config
         attention = data["attention_mask"].bool()
         seq_len = attention.sum(1).float().cpu()
@@ -184,8 +186,9 @@ class PPOActor:
             self._log_update_details(tracker, stats, logprobs, mb)
 
     def _log_update_details(self, tracker, stats, logprobs, mb) -> None:
-        """The rest of §8.3's ``update/`` stats: log-prob differences, clipped tokens,
-        what rejection sampling removed, and how stale the trained tokens are."""
+        """The rest of the ``update/`` stats (docs/grpo.md#logged-statistics): log-prob
+        differences, clipped tokens, what rejection sampling removed, and how stale the
+        trained tokens are."""
         mask, kept = stats["loss_mask"].bool(), stats["kept_mask"].bool()
         new_logp = torch.where(mask, logprobs.detach().float(), 0.0)
         old_logp = stats["old_logp"].float()
@@ -214,8 +217,9 @@ class PPOActor:
             tracker.stat(denominator="n_versioned_tokens", version_staleness=staleness)
 
 
-class _PPOActorMethods:
-    """The PPO actor's methods on a training engine (mixed in before the engine class)."""
+class _PPOActorMethods(PPOActorEngine):
+    """The PPO actor's methods on a training engine (mixed in before the engine class), as
+    :class:`PPOActorEngine` declares them for the train controller."""
 
     def __init__(self, config: PPOActorConfig):
         super().__init__(config)

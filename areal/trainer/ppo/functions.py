@@ -45,7 +45,7 @@ ProxLogpMethod = Literal["recompute", "metrics", "reuse_train_logp", "loglinear"
 KL_REWARD_CLAMP = 10.0
 
 
-# --- rewards and normalization (§8.1 steps 2-3, §8.2) -------------------------------------
+# --- rewards and normalization (docs/grpo.md: pipeline steps 2-3, #normalization) ----------
 
 
 def shape_rewards(rewards: torch.Tensor, bias: float, scaling: float, clip: float) -> torch.Tensor:
@@ -164,7 +164,8 @@ def normalize(
     group_size: int | None = None,
     dp_group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    """``(x − μ)·M / (σ + eps)`` per §8.2, computed in float64 and returned as float32.
+    """``(x − μ)·M / (σ + eps)``, computed in float64 and returned as float32
+    (docs/grpo.md#normalization).
 
     ``x`` is ``[B]`` (rewards, no mask) or ``[B, L]`` (advantages, ``mask [B, L]``). Group
     slices are consecutive runs of ``group_sizes`` rows, else fixed chunks of ``group_size``
@@ -209,7 +210,7 @@ class Normalizer:
         return normalize(x, self.config, mask, group_sizes, group_size, dp_group)
 
 
-# --- KL penalty (§8.1 step 5) --------------------------------------------------------------
+# --- KL penalty (docs/grpo.md#advantage-pipeline, step 5) ---------------------------------
 
 
 def kl_estimate(logp: torch.Tensor, ref_logp: torch.Tensor, kind: KLEstimator) -> torch.Tensor:
@@ -232,7 +233,7 @@ def kl_rewards(
     return -kl_ctl * kl_estimate(old_logp, ref_logp, kind).clamp(-KL_REWARD_CLAMP, KL_REWARD_CLAMP)
 
 
-# --- the advantage pipeline (§8.1) ----------------------------------------------------------
+# --- the advantage pipeline (docs/grpo.md#advantage-pipeline) -----------------------------
 
 
 def compute_advantages(
@@ -241,7 +242,7 @@ def compute_advantages(
     group_sizes: list[int] | None,
     dp_group: dist.ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Rewards → per-token advantages for a padded batch (§8.1 steps 1-10).
+    """Rewards → per-token advantages for a padded batch (docs/grpo.md#advantage-pipeline).
 
     ``batch`` holds ``input_ids``, ``attention_mask`` (bool), ``loss_mask``, ``logprobs``,
     ``versions``, ``turn_ids`` (all ``[B, L]``), ``rewards [B]`` and optionally
@@ -329,7 +330,8 @@ def compute_advantages(
 def _aligned_logprobs(
     batch: Mapping[str, torch.Tensor], cfg: PPOActorConfig, m: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(ℓ^old, ℓ^prox)`` after the shift (§8.1 step 4); ``ℓ^old`` is masked by ``m``.
+    """``(ℓ^old, ℓ^prox)`` after the shift; ``ℓ^old`` is masked by ``m`` (step 4 of
+    docs/grpo.md#advantage-pipeline).
 
     Without the decoupled loss the proximal policy *is* the old one: the same masked
     tensor. With it, a recomputed ``prox_logp`` is passed through unmasked.
@@ -348,7 +350,7 @@ def _aligned_logprobs(
     return old_logp, batch.get("prox_logp")
 
 
-# --- the actor loss (§8.3) ------------------------------------------------------------------
+# --- the actor loss (docs/grpo.md#actor-loss) ---------------------------------------------
 
 
 def prox_logp_for_method(
@@ -360,7 +362,8 @@ def prox_logp_for_method(
     versions: torch.Tensor | None = None,
     current_version: int | None = None,
 ) -> torch.Tensor:
-    """Proximal log-probs ``ℓ^prox`` for ``prox_logp_method`` (§8.3 step 1), gradient-free.
+    """Proximal log-probs ``ℓ^prox`` for ``prox_logp_method``, gradient-free
+    (docs/grpo.md#actor-loss, step 1).
 
     ``logprobs`` is the current ``ℓ^θ``, ``old_logp`` the behaviour ``ℓ^old`` (shifted),
     ``prox_logp`` the recomputed values (``recompute``/``metrics``; without the decoupled
@@ -448,7 +451,7 @@ def _rejection_sampling(
     cfg: RejectionSamplingConfig,
     rows: _Rows | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(M', w)``: the kept mask and behaviour weights (§8.3 step 4).
+    """``(M', w)``: the kept mask and behaviour weights (docs/grpo.md#actor-loss, step 4).
 
     ``raw_delta`` is ``ℓ^prox − ℓ^old``; ``delta`` the same with non-finite entries set to 0.
     """
@@ -511,7 +514,7 @@ def ppo_actor_loss(
     importance_sampling_level: Literal["token", "sequence"] = "token",
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decoupled clipped PPO loss of one micro-batch (§8.3 steps 3-8).
+    """Decoupled clipped PPO loss of one micro-batch (docs/grpo.md#actor-loss, steps 3-8).
 
     All token tensors share one shape: packed ``[T]``/``[1, T]`` with ``cu_seqlens [R+1]``,
     or padded ``[B, L]``. ``logprobs`` is ``ℓ^θ`` (with grad); ``old_logp``, ``prox_logp`` are

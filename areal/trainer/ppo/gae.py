@@ -1,4 +1,5 @@
-"""Generalized advantage estimation over padded rows (§8.1 step 8), without a time loop.
+"""Generalized advantage estimation over padded rows (docs/grpo.md#advantage-pipeline,
+step 8), without a time loop.
 
 Token level: steps are the trainable positions of a row; turn level: steps are the turns
 (rewards summed per turn). A masked position keeps the carry of the next trainable one.

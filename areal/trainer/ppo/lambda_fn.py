@@ -2,8 +2,8 @@
 
 ``actor.gae_lambda`` is either a number (one λ for every row) or the dotted path of a
 function ``fn(context: GAELambdaContext, **actor.gae_lambda_kwargs) -> Tensor[rows]``.
-The context is computed from the *shifted* loss mask ``M`` and turn ids ``u'`` (§8.1 step 4),
-so lengths count trainable positions, not prompt tokens.
+The context is computed from the *shifted* loss mask ``M`` and turn ids ``u'`` (step 4 of
+docs/grpo.md#advantage-pipeline), so lengths count trainable positions, not prompt tokens.
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ E11 PATCH ``/llm/models/{model_name}``                    renew a route (404 whe
 
 Local additions: ``GET/PUT /openapi/v1/local/faults`` (fault settings, see
 :mod:`.faults`), ``POST /openapi/v1/local/routes/expire`` (garbage-collect every route
-now), ``GET /health`` (no auth). The LLM gateway lives at ``/api`` (:mod:`.gateway`).
+now), ``GET /health`` (no auth). The LLM gateway lives at ``/api`` (:mod:`.gateway`);
+request bodies are read and JSON answers written by :mod:`.http_io`.
 
 ``envelope="wrapped"`` answers E2, E5, E7-E10 inside ``{"data": ...}`` (E2 as
 ``data.stream``, E10 as ``data.items``), as some Arena deployments do; ``"plain"``
@@ -47,18 +48,27 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
-import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from areal.proxy.keys import same_secret
 from areal.utils import logging
 from areal.utils.http_limits import BodyLimitMiddleware
 from examples.swe.local_arena.faults import SPANNER_MARKER, WAITING_PAGE, FaultConfig
 from examples.swe.local_arena.gateway import LLMGateway
+from examples.swe.local_arena.http_io import (
+    HTTPError,
+    LaunchBody,
+    RouteRegistration,
+    error_response,
+    json_response,
+    page_args,
+    read_model,
+    read_object,
+    stopping_response,
+)
 from examples.swe.local_arena.limits import LIMITS, limit_error
 from examples.swe.local_arena.store import Route, Store
 from examples.swe.local_arena.tasks import Launch, TaskRunner
@@ -68,7 +78,6 @@ __all__ = ["LocalArena", "LocalArenaConfig", "create_app"]
 
 logger = logging.getLogger("local_arena.server")
 
-MAX_PAGE = 1000
 ENVELOPES = ("plain", "wrapped")
 ROUTE_PREFIX = "stream-areal-"
 DEFAULT_MAX_BODY_BYTES = LIMITS.max_body_bytes
@@ -124,100 +133,6 @@ class LocalArenaConfig:
 def _check_int(what: str, value: Any, low: int, high: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
         raise ValueError(f"{what} must be an integer in [{low}, {high}], got {value!r}")
-
-
-# --- request bodies ---
-
-
-# A key read from a file keeps its newline; stripped, it works and is redacted as sent.
-Key = Annotated[str, StringConstraints(strip_whitespace=True, min_length=1)]
-
-
-class RouteEndpoint(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    endpoint_id: str = Field(min_length=1)
-    upstream_model: str = Field(min_length=1)
-    base_url: str = Field(min_length=1, pattern=r"^https?://")
-    api_key: Key
-    inbound_protos: list[str] = Field(default_factory=lambda: ["chat"])
-    enabled: bool = True
-
-
-class RouteRegistration(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    model_name: str = Field(min_length=1)
-    endpoints: list[RouteEndpoint] = Field(min_length=1, max_length=1)
-    enabled: bool = True
-    metadata: dict[str, Any] = Field(default_factory=dict)
-
-
-class LaunchBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    data_id: str = Field(min_length=1)
-    model_name: str = Field(min_length=1)
-    base_url: str = Field(min_length=1, pattern=r"^https?://")
-    api_key: Key
-    envs: dict[str, str] = Field(default_factory=dict)
-    session_id: str = ""
-    harness: str = ""
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, message: str, code: str = "invalid_request"):
-        super().__init__(message)
-        self.status, self.message, self.code = status, message, code
-
-
-def json_response(content: Any, status: int = 200, headers: dict | None = None) -> Response:
-    return Response(orjson.dumps(content), status, headers, media_type="application/json")
-
-
-def error_response(status: int, message: str, code: str, headers: dict | None = None) -> Response:
-    return json_response({"error": {"code": code, "message": message}}, status, headers)
-
-
-def stopping_response() -> Response:
-    return error_response(503, "the local Arena is stopping", "stopping", {"Connection": "close"})
-
-
-async def read_object(request: Request) -> dict[str, Any]:
-    """The JSON object body (an empty body is ``{}``); 400 otherwise."""
-    raw = await request.body()
-    try:
-        data = orjson.loads(raw) if raw else {}
-    except orjson.JSONDecodeError:
-        raise HTTPError(400, "the request body is not valid JSON", "malformed_json") from None
-    if not isinstance(data, dict):
-        raise HTTPError(400, "the request body must be a JSON object", "malformed_json")
-    return data
-
-
-async def read_model(request: Request, model: type[BaseModel]) -> Any:
-    """The JSON body as ``model``; 400 naming each bad field otherwise."""
-    data = await read_object(request)
-    try:
-        return model.model_validate(data)
-    except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in e.errors()
-        )
-        raise HTTPError(400, f"invalid request body: {problems}", "invalid_body") from None
-
-
-def page_args(request: Request, default_limit: int) -> tuple[int, int]:
-    def number(name: str, default: int, low: int, high: int) -> int:
-        text = request.query_params.get(name)
-        if text is None:
-            return default
-        try:
-            value = int(text)
-        except ValueError:
-            raise HTTPError(400, f"{name} must be an integer, got {text!r}") from None
-        if not low <= value <= high:
-            raise HTTPError(400, f"{name} must be between {low} and {high}, got {value}")
-        return value
-
-    return number("limit", default_limit, 1, MAX_PAGE), number("offset", 0, 0, 10**9)
 
 
 class LocalArena:

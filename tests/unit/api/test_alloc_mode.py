@@ -1,4 +1,4 @@
-"""Allocation strings: every grammar rule and error of framework spec 4.1-4.2."""
+"""Allocation strings: every grammar rule and error (docs/configs.md#allocation-strings)."""
 
 from __future__ import annotations
 

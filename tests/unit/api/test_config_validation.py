@@ -1,4 +1,4 @@
-"""Cross-field validation of the config dataclasses (framework spec 3.4)."""
+"""Cross-field validation of the config dataclasses (docs/configs.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Every ``areal`` import the Arena example files make (spec §2.1, §2.3) resolves."""
+"""Every ``areal`` import the Arena example files make resolves."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ SPEC_IMPORTS = [
     ("areal.infra.rpc.rtensor", "RTensor"),
     ("areal.utils.config_utils", "redact_sensitive_config"),
     ("areal.utils.logging", "setup_file_logging"),
-    # areal/__init__.py top-level names (§2.3)
+    # areal/__init__.py top-level names
     ("areal", "RolloutController"),
     ("areal", "TrainController"),
     ("areal", "StalenessManager"),

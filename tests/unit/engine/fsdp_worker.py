@@ -1,9 +1,10 @@
 """One rank of a multi-process FSDP engine test: ``python -m tests.unit.engine.fsdp_worker``.
 
 Each rank trains one SGD step (lr 1, so the update is exactly the gradient) on its share
-of a fixed batch, rows ``rank::world``, and rank 0 writes the updated weights and the
-step statistics to ``--out``. Run with world size 1 on the whole batch and with world size
-2, the weights must agree: the token-mean loss is over the global batch.
+of a fixed batch, rows ``rank::world``, and rank 0 writes the weights before and after
+the step (``before``, ``state``) and the step statistics to ``--out``. Run with world size
+1 on the whole batch and with world size 2, the updates must agree: the token-mean loss is
+over the global batch.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ def main() -> None:
     engine.initialize()
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     batch = {k: v[rank::world] for k, v in fixed_batch().items()}
+    before = engine._full_state_dict()
     stats = engine.train_batch(batch, token_mean_nll, lambda mb: mb["loss_mask"].count_nonzero())
     state = engine._full_state_dict()
     if rank == 0:
-        torch.save({"state": state, "stats": stats}, args.out)
+        torch.save({"before": before, "state": state, "stats": stats}, args.out)
     engine.destroy()
 
 

@@ -2,9 +2,10 @@
 
 Both libraries assume CUDA in a few places (workspace buffers, the model-parallel RNG
 tracker, ``.cuda()`` after building a model). :func:`apply` replaces exactly those spots,
-as listed in the environment notes, and :func:`restore` undoes it; the engine itself never
-patches anything global. Everything the engine needs on a GPU machine without
-Transformer Engine (local layer spec, name mappings, ``rope_theta``) lives in the engine.
+as listed in the environment notes, and :func:`restore` undoes it. What the engine needs
+on a GPU machine without Transformer Engine (local layer spec, name mappings,
+``rope_theta``, the packed rotary embedding, ...) is patched in
+:mod:`areal.engine.megatron_compat`, never here.
 """
 
 from __future__ import annotations

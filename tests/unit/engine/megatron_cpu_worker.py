@@ -4,7 +4,7 @@
 :mod:`tests.unit.engine.megatron_cpu_shim`, then runs
 :func:`areal.infra.rpc.rpc_server.main` unchanged. A test puts this module in the
 scheduling spec's ``cmd``, so workers the scheduler starts can host a Megatron engine on
-CPU while production code never patches megatron-core.
+CPU while production code never carries CPU patches.
 """
 
 from __future__ import annotations

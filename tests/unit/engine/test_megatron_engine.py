@@ -152,7 +152,7 @@ def test_train_batch_matches_fsdp_loss_and_update(megatron_run, fsdp_run):
     )
     f_update = torch.cat([(fsdp_run["after"][n] - fsdp_run["before"][n]).flatten() for n in names])
     cosine = torch.nn.functional.cosine_similarity(m_update, f_update, dim=0)
-    assert cosine > 0.999, cosine  # the brief asks for > 0.9; fp32 gives far better
+    assert cosine > 0.999, cosine  # same direction; fp32 leaves only rounding
     assert torch.allclose(m_update, f_update, atol=1e-4)
 
 
@@ -183,7 +183,7 @@ def test_fused_kernels_give_the_eager_log_probs_and_steps(cpu_shim, tiny_model_d
     from megatron.core.utils import get_model_config
 
     from areal.api.io_struct import SaveLoadMeta
-    from areal.engine.megatron_engine import _COMPILED_ROPE
+    from areal.engine.megatron_compat import COMPILED_ROPE_ATTR
     from tests.unit.engine.fsdp_worker import fixed_batch, token_mean_nll
 
     batch = fixed_batch()
@@ -195,7 +195,7 @@ def test_fused_kernels_give_the_eager_log_probs_and_steps(cpu_shim, tiny_model_d
             config = get_model_config(engine.model[0])
             assert config.bias_activation_fusion is use_kernels
             assert config.bias_dropout_fusion is use_kernels
-            assert getattr(config, _COMPILED_ROPE, False) is use_kernels
+            assert getattr(config, COMPILED_ROPE_ATTR, False) is use_kernels
             inner = engine.optimizer.optimizer
             assert inner.param_groups[0]["fused"] is (True if use_kernels else None)
             before = engine.forward_batch(batch)

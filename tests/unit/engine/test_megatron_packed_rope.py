@@ -36,7 +36,7 @@ def _config(interleaved: bool = False):
 def test_packed_rope_matches_megatron(lengths, interleaved):
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_thd
 
-    from areal.engine.megatron_engine import _packed_rope
+    from areal.engine.megatron_compat import _packed_rope
 
     g = torch.Generator().manual_seed(0)
     total = sum(lengths)
@@ -53,8 +53,8 @@ def test_packed_rope_matches_megatron(lengths, interleaved):
 
 @pytest.mark.parametrize("lengths", [[5, 3, 8], [4, 0, 6, 2]], ids=["three", "empty-segment"])
 def test_compiled_packed_rope_matches_the_eager_one(lengths):
-    from areal.engine import megatron_engine
-    from areal.engine.megatron_engine import _packed_rope
+    from areal.engine import megatron_compat
+    from areal.engine.megatron_compat import _packed_rope
 
     g = torch.Generator().manual_seed(2)
     total = sum(lengths)
@@ -64,19 +64,19 @@ def test_compiled_packed_rope_matches_the_eager_one(lengths):
     eager = _packed_rope(t, freqs, cu, False, False)
     compiled = _packed_rope(t, freqs, cu, False, False, compiled=True)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
-    assert not megatron_engine._ROPE_COMPILE_FAILED  # the compiled graph ran, no fallback
+    assert not megatron_compat._ROPE_COMPILE_FAILED  # the compiled graph ran, no fallback
 
 
 def test_attention_calls_the_packed_rope_only_where_it_applies(monkeypatch):
     from megatron.core.transformer import attention
 
-    from areal.engine import megatron_engine
+    from areal.engine import megatron_compat
 
     calls = []
     monkeypatch.setattr(attention, "apply_rotary_pos_emb", lambda *a, **k: calls.append(k))
-    monkeypatch.setattr(megatron_engine, "_packed_rope", lambda *a, **k: "packed")
-    megatron_engine._install_packed_rope()
-    megatron_engine._install_packed_rope()  # idempotent: wraps once
+    monkeypatch.setattr(megatron_compat, "_packed_rope", lambda *a, **k: "packed")
+    megatron_compat.patch_packed_rope()
+    megatron_compat.patch_packed_rope()  # idempotent: wraps once
     rope = attention.apply_rotary_pos_emb
     t, freqs, cu = torch.zeros(4, 1, 2), torch.zeros(4, 1, 1, 2), torch.tensor([0, 4])
     assert rope(t, freqs, _config(), cu_seqlens=cu, cp_group=_OneRank()) == "packed"
@@ -88,7 +88,7 @@ def test_attention_calls_the_packed_rope_only_where_it_applies(monkeypatch):
 
 
 def test_foreach_l2_norm_is_the_global_norm():
-    from areal.engine.megatron_engine import _foreach_l2_norm
+    from areal.engine.megatron_compat import _foreach_l2_norm
 
     g = torch.Generator().manual_seed(1)
     grads = [torch.randn(3, 5, generator=g), torch.randn(7, generator=g), torch.zeros(2, 2)]
@@ -105,21 +105,21 @@ def test_apex_less_megatron_uses_the_foreach_norm(monkeypatch):
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
 
-    from areal.engine import megatron_engine
+    from areal.engine import megatron_compat
 
     monkeypatch.setattr(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
-    megatron_engine._install_foreach_l2_norm()
-    assert clip_grads.l2_norm_impl is megatron_engine._foreach_l2_norm
+    megatron_compat.patch_foreach_l2_norm()
+    assert clip_grads.l2_norm_impl is megatron_compat._foreach_l2_norm
     apex = object()  # an Apex kernel stays
     monkeypatch.setattr(clip_grads, "l2_norm_impl", apex)
-    megatron_engine._install_foreach_l2_norm()
+    megatron_compat.patch_foreach_l2_norm()
     assert clip_grads.l2_norm_impl is apex
 
 
 def test_fuse_torch_adam_switches_only_fresh_torch_adams():
     from types import SimpleNamespace
 
-    from areal.engine.megatron_engine import _fuse_torch_adam
+    from areal.engine.megatron_model import fuse_torch_adam
 
     def wrapped(optimizer):
         return SimpleNamespace(optimizer=optimizer)
@@ -130,7 +130,7 @@ def test_fuse_torch_adam_switches_only_fresh_torch_adams():
     stepped.step()  # has state: its CPU step counters would not suit the fused kernel
     sgd = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
     chained = SimpleNamespace(chained_optimizers=[wrapped(fresh), wrapped(stepped), wrapped(sgd)])
-    assert _fuse_torch_adam(chained) == 1
+    assert fuse_torch_adam(chained) == 1
     assert fresh.param_groups[0]["fused"] is True and fresh.param_groups[0]["foreach"] is False
     assert stepped.param_groups[0]["fused"] is None
     param = fresh.param_groups[0]["params"][0]

@@ -4,6 +4,8 @@ greedy equality, log-prob fidelity, stops, interruptible generation, disk weight
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 
 import httpx
 import pytest
@@ -61,6 +63,14 @@ def greedy_reference(model, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
     return ids[len(prompt) :]
+
+
+async def until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    """Wait for ``condition`` (an event that must happen; failing after ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
+        await asyncio.sleep(0.005)
 
 
 def prompts() -> list[list[int]]:
@@ -145,8 +155,10 @@ async def test_pause_mid_generation_resumes_with_two_versions(engine, reference)
     # bumps the version (here, the servers' and the proxies') and lets everything go on.
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, engine.begin_weight_update, 1)
-    await asyncio.sleep(0.3)
-    assert not task.done()  # the aborted request waits at the barrier, output kept
+    # the aborted request comes back to the barrier (instead of returning what it has) and
+    # stays there: only end_weight_update opens it
+    await until(lambda: engine.barrier.held == 1 or task.done())
+    assert not task.done()
     await loop.run_in_executor(None, engine.end_weight_update, 1)
     response = await task
     assert len(response.output_tokens) == 400 and response.stop_reason == "length"
@@ -169,8 +181,9 @@ async def test_a_proxys_engine_follows_the_workers_barrier(engine, server):
         task = asyncio.create_task(
             follower.agenerate(ModelRequest(input_ids=[5, 6, 7], gconfig=greedy(3)))
         )
-        await asyncio.sleep(0.5)
-        assert not task.done()  # held, like the worker's own rollouts
+        # held at the worker's barrier, like the worker's own rollouts
+        await until(lambda: follower.barrier.held == 1 or task.done())
+        assert not task.done()
         await loop.run_in_executor(None, engine.end_weight_update, version)
         response = await task
         assert follower.get_version() == version
@@ -187,7 +200,7 @@ async def test_a_closed_barrier_holds_generation(engine):
     task = asyncio.create_task(
         engine.agenerate(ModelRequest(input_ids=[5, 6, 7], gconfig=greedy(4)))
     )
-    await asyncio.sleep(0.7)
+    await until(lambda: engine.barrier.held == 1 or task.done())  # held before sending
     assert not task.done()
     await loop.run_in_executor(None, engine.end_weight_update, version + 1)
     response = await task

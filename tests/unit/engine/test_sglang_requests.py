@@ -1,5 +1,5 @@
 """Requests that only a real SGLang server answers, checked field by field against a
-recording peer (framework spec 6.3): NCCL group, distributed update, memory, pause."""
+recording peer (docs/inference.md): NCCL group, distributed update, memory, pause."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig, SGLangConfig
 from areal.api.io_struct import ModelRequest, ParamSpec, WeightUpdateMeta
 from areal.engine.sglang_remote import HFBackend, RemoteSGLangEngine, SGLangBackend
+from areal.inference.auth import API_KEY_ENV
 from tests.fakes.live_server import ScriptedASGI, serve
 from tests.fakes.scripted_http import ScriptedHTTP, reply
 
@@ -239,7 +240,7 @@ def test_fan_out_retries_then_fails(two_servers):
     engine, peers = two_servers
     peers[0].routes[("POST", "/continue_generation")].clear()
     peers[0].on("POST", "/continue_generation", reply(503), reply(200, {}))
-    engine._continue_servers()  # the second attempt succeeds
+    engine.client.continue_servers()  # the second attempt succeeds
     assert len(peers[0].calls("POST", "/continue_generation")) == 2
     peers[0].routes[("POST", "/abort_request")].clear()
     peers[0].on("POST", "/abort_request", reply(500))
@@ -250,13 +251,13 @@ def test_fan_out_retries_then_fails(two_servers):
 
 def test_sticky_routing_and_round_robin(two_servers):
     engine, _ = two_servers
-    first = engine._choose_server("rid-1")
-    assert engine._choose_server("rid-1") == first
-    second = engine._choose_server("rid-2")
-    assert second != first and engine._choose_server("rid-2") == second
+    first = engine.client.choose_server("rid-1")
+    assert engine.client.choose_server("rid-1") == first
+    second = engine.client.choose_server("rid-2")
+    assert second != first and engine.client.choose_server("rid-2") == second
     for i in range(200):
-        engine._choose_server(f"other-{i}")
-    assert len(engine._sticky) == 128
+        engine.client.choose_server(f"other-{i}")
+    assert len(engine.client._sticky) == 128
 
 
 def test_server_launch_commands():
@@ -295,3 +296,12 @@ def test_server_launch_commands():
     ]
     # the embedded server joins weight-update groups with t ranks (the model stays on one)
     assert HFBackend().server_args(sglang, "h", 1, tp_size=2)["tp_size"] == 2
+
+
+def test_fan_out_never_retries_a_refused_key(two_servers):
+    engine, peers = two_servers
+    peers[0].routes[("POST", "/continue_generation")].clear()
+    peers[0].on("POST", "/continue_generation", reply(403))
+    with pytest.raises(RuntimeError, match=API_KEY_ENV):
+        engine.client.continue_servers()
+    assert len(peers[0].calls("POST", "/continue_generation")) == 1  # request_retries is 3

@@ -1,5 +1,5 @@
-"""ArenaStreamAgentWorkflow failures and audit (arena-client spec 7.6, 9.2-10, 14.5;
-cases W7-W10, W12-W17 and the [R2] extras). Dispositions follow failure-attribution.md."""
+"""ArenaStreamAgentWorkflow failures and audit (cases W7-W10, W12-W17 and the newer
+reference's extras). Dispositions follow docs/arena_training.md, "Failures"."""
 
 from __future__ import annotations
 
@@ -290,7 +290,7 @@ async def test_launch_may_return_a_plain_number(fake):
     assert "rollout/arena/terminal_success" not in stats
 
 
-# --- failure dispositions (failure-attribution.md; the full case list is in
+# --- failure dispositions (docs/arena_training.md; the full case list is in
 # test_failure_attribution.py) ---
 
 
@@ -523,7 +523,7 @@ async def test_unencodable_raw_is_reported_not_raised(fake, tmp_path):
     assert metrics()["rollout/arena/result_dump_success"] == 0.0
 
 
-# --- [R2] harness outcomes ---
+# --- harness outcomes (the newer reference) ---
 
 
 @pytest.mark.parametrize(
@@ -575,7 +575,7 @@ async def test_harness_error_metrics_use_bounded_buckets(fake, tmp_path, raw, bu
     buckets = [k for k in stats if k.startswith("rollout/harness_error/") and "__" not in k]
     assert len(buckets) == 7 and sum(stats[k] for k in buckets) == 1.0
     assert not any("WEIRD" in k for k in stats)
-    # [R2] the audit record carries the same identity as the episode metadata.
+    # the audit record carries the same identity as the episode metadata (newer reference).
     (record,) = records(tmp_path)
     assert metadata["arena_status"] == "HARNESS_FAILED"
     for key in ("session_id", "arena_task_id", "harness_outcome_code"):

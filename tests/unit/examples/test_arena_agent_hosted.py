@@ -1,4 +1,5 @@
-"""ArenaStreamAgentWorkflow hosted by the real proxy workflow (arena-client spec 9.3).
+"""ArenaStreamAgentWorkflow hosted by the real proxy workflow
+(docs/design.md#data-path-of-one-arena-task).
 
 Everything runs over loopback HTTP: the proxy (scripted engine), a fake Arena whose
 "Harness" calls the proxy with the launch credentials, and the agent in between.

@@ -1,4 +1,4 @@
-"""ArenaStreamAgentWorkflow rewards and metrics (arena-client spec 8, 14.5; cases W1-W6, W11)."""
+"""ArenaStreamAgentWorkflow rewards and metrics (docs/arena_training.md; cases W1-W6, W11)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def test_astra_partial_reward_through_the_stream_config(fake):
     for score, expected in table.items():
         assert agent._transform_reward(score, ROW) == pytest.approx(expected), score
     identity = make_agent(fake, arena_reward_transform_fn=IDENTITY, arena_reward_threshold=0.5)
-    assert identity._transform_reward(0.3, ROW) == 0.3  # [R2] the threshold is ignored
+    assert identity._transform_reward(0.3, ROW) == 0.3  # the threshold is ignored
 
 
 async def test_custom_transform_gets_the_threshold_keyword(fake):
@@ -217,7 +217,7 @@ def test_group_pass_distribution_is_one_hot(fake):
 
 
 def test_group_quality_keys_per_domain_and_stream(fake):
-    # [R2] 14.5
+    # per-domain and per-Stream group metrics (newer reference)
     agent = make_agent(fake, arena_streams=two_streams(), stream_id="")
     row = {**ROW, "arena_stream_name": "b", "stream_id": "stream-b", "arena_task_type": "math"}
     agent.record_group_metrics(row, [1.0, 1.0], 2)
@@ -319,7 +319,7 @@ async def test_oversized_raw_is_left_out_of_the_record(fake, tmp_path):
     assert record["raw_truncated"] is True and record["raw_size_bytes"] == 110
 
 
-# --- [R2] metadata and export hooks ---
+# --- metadata and export hooks (newer reference) ---
 
 
 async def test_session_and_episode_metadata(fake):

@@ -1,4 +1,5 @@
-"""ArenaOpenAPIClient against a scripted HTTP peer (arena-client spec 3-4, cases C/D/R/T)."""
+"""ArenaOpenAPIClient against a scripted HTTP peer (README_arena.md#the-arena-client;
+cases C/D/R/T)."""
 
 from __future__ import annotations
 

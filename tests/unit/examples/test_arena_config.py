@@ -1,4 +1,4 @@
-"""Stream configuration and the weighted mixture (arena-client spec 5-6; cases M1-M6, 53, 56)."""
+"""Stream configuration and the weighted mixture (README_arena.md#multiple-streams; cases M1-M6)."""
 
 from __future__ import annotations
 
@@ -263,7 +263,7 @@ def test_flash_v3_dataset_config_through_the_loader():  # case 53
             identity_reward(bad, {})
 
 
-# --- the mixture (cli-and-profiles case 56, arena-client 6.2) ---
+# --- the mixture (README_arena.md#mixture-semantics) ---
 
 
 def rows(prefix: str, n: int) -> list[dict]:

@@ -1,4 +1,4 @@
-"""Preflight library and CLI (cli-and-profiles spec section 1; acceptance cases 1-20)."""
+"""Preflight library and CLI (README_arena.md#checking-streams-before-you-submit; cases 1-20)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def arena(
     tasks=None,
     recent_tasks: int = 100,
 ) -> None:
-    """Serve one Stream; each route answers only the query the preflight must send (§1.5)."""
+    """Serve one Stream; each route answers only the query the preflight must send."""
     sid = stream_id.replace("/", "%2F")
     stream = {"stream_id": stream_id}
     if status is not None:
@@ -314,7 +314,7 @@ def test_check_failures(http, tmp_path, setup, message):
         run(http, streams_file=streams_file(tmp_path, ONE_STREAM))
 
 
-# Every check of one Stream, in the order the preflight must run them (§1.5), with the
+# Every check of one Stream, in the order the preflight must run them (its module docstring),
 # error of each and the requests sent up to and including it.
 CHECKS = [
     ("stream_id", "returned Stream 'stream-b'", 1),

@@ -1,4 +1,4 @@
-"""Stream projection (cli-and-profiles spec section 2; acceptance cases 21-24)."""
+"""Stream projection (README_arena.md#checking-streams-before-you-submit; cases 21-24)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Result envelopes and task types (arena-client spec 3.4, 3.7, 4.2; cases T4-T6, D2)."""
+"""Result envelopes and task types (cases T4-T6, D2)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from examples.swe.arena_results import FAILED_TASK_STATUSES
 
 
 def test_failed_statuses():
-    # failure-attribution.md 1.2: the newest client's set includes the grader's ERROR
+    # the newest reference client's set includes the grader's ERROR
     assert (
         ArenaOpenAPIClient.FAILED_TASK_STATUSES
         == FAILED_TASK_STATUSES

@@ -1,4 +1,4 @@
-"""The rollout-only tool (arena-client.md §11.4, cases O1 and O2, plus its helpers)."""
+"""The rollout-only tool (``examples.swe.arena_rollout_only``, cases O1 and O2) and its helpers."""
 
 from __future__ import annotations
 

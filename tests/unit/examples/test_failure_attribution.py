@@ -1,5 +1,5 @@
-"""Failure attribution as the reference decides it: every acceptance case of
-``spec/failure-attribution.md`` section 5, by number (``caseNN-...`` in the test id).
+"""Failure attribution as the reference decides it (docs/arena_training.md, "Failures"):
+every acceptance case of the reference's rules, by number (``caseNN-...`` in the test id).
 
 Cases 1-54 and 72 call ``ArenaStreamAgentWorkflow.classify_proxy_failure`` on the class.
 Cases 55-64 and 67 run the proxy workflow against a real proxy over loopback (scripted

@@ -1,4 +1,4 @@
-"""The dynamic group filter (arena-client.md §11.5, case F1)."""
+"""The dynamic group filter (``examples.swe.filter_function``, case F1)."""
 
 from __future__ import annotations
 

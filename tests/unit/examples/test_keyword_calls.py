@@ -98,10 +98,11 @@ class KeywordOnlyEngine(KeywordOnlyController):
     last: KeywordOnlyEngine | None = None
     fake_for_next: FakeArena | None = None
 
-    def __init__(self, *, config: Any):
+    def __init__(self, *, config: Any, staleness: Any = None):
         assert KeywordOnlyEngine.fake_for_next is not None
         super().__init__(fake=KeywordOnlyEngine.fake_for_next)
         self.config = config
+        self.staleness = staleness  # the tool's own gate: concurrency only
         self.lifecycle: list[str] = []
         KeywordOnlyEngine.last = self
 
@@ -307,6 +308,8 @@ def test_rollout_only_main_with_a_keyword_only_engine(profile_env, monkeypatch):
     assert code == 0
     engine = KeywordOnlyEngine.last
     assert engine is not None
+    # no trainer: the tool bounds concurrency only, so more rollouts than a batch never hang
+    assert engine.staleness is not None and engine.staleness.max_staleness is None
     assert engine.lifecycle == [
         "launch_local_server",
         "initialize 127.0.0.1:30000",

@@ -1,4 +1,4 @@
-"""Built-in reward transforms (arena-client spec 8.3; case W2)."""
+"""Built-in reward transforms (README_arena.md#rewards; case W2)."""
 
 from __future__ import annotations
 

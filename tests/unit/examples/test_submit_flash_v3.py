@@ -3,7 +3,7 @@
 Most cases run the wrapper inside a fake checkout whose ``submit_arena.sh`` is a bash stub
 that records its argv and environment. One case hands off to the real submit_arena.sh
 (stub sbatch) and resolves arena_flash_v3.yaml with the submitted environment to check
-what the workers receive (spec section 4.6).
+what the workers receive (README_arena.md#environment).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ WRAPPER = SWE_DIR / "submit_arena_flash_v3.sh"
 DATASET = "examples/swe/dataset_configs/flash-v3-multi-stream.yaml"
 FLASH_YAML = "examples/swe/arena_flash_v3.yaml"
 
-# Spec section 4.2: N_NODES -> (actor, rollout) layouts.
+# N_NODES -> (actor, rollout) layouts the wrapper picks.
 PROFILES = {
     "2": ("megatron:(attn:d1p2t4c2|ffn:d1p2e8)", "sglang:d4t4p1"),
     "4": ("megatron:(attn:d2p2t4c2|ffn:d2p2e8)", "sglang:d8t4p1"),
@@ -70,7 +70,7 @@ def profile_lines(
     steps: str = "500",
     concurrency: str = "1500",
 ) -> list[str]:
-    """The 10 lines of spec section 4.4, in order."""
+    """The 10 lines ``--print-profile`` prints, in order."""
     actor, rollout = PROFILES[nodes]
     return [
         f"nodes={nodes}",

@@ -1,7 +1,7 @@
 """train_swe_rl: Arena mixture datasets, JSONL datasets, worker econfig, the local Arena.
 
-Cases 54-59 of cli-and-profiles.md §7 and M7, M8 of arena-client.md §13. The Arena is a
-``httpx.MockTransport`` serving the three read routes training uses (list, get, dataset
+The Stream mixture and the workers' Streams as docs/arena_training.md describes them. The
+Arena is a ``httpx.MockTransport`` serving the three read routes training uses (list, get, dataset
 pages); the local-Arena tests start the real local Arena in-process. Training itself
 (``main`` with the real PPOTrainer, workers and inference server against the local Arena)
 runs in tests/integration/test_arena_training_e2e.py.
@@ -448,17 +448,11 @@ def test_jsonl_errors(tmp_path):
         get_swe_dataset(path)
 
 
-def test_jsonl_mode_resolves_paths_against_dataset_path(arena_config, tmp_path):
-    record = {"instance_id": "i", "problem_statement": "p"}
-    write_jsonl(tmp_path / "train.jsonl", [record])
-    write_jsonl(tmp_path / "test.jsonl", [record])
-    arena_config.econfig.dataset_source = "jsonl"
-    arena_config.econfig.dataset_path = str(tmp_path)
-    arena_config.train_dataset.path = "train.jsonl"
-    arena_config.valid_dataset.path = str(tmp_path / "test.jsonl")
-    inputs = build_training_inputs(arena_config)
-    assert inputs.workflow == "examples.swe.agent.SWEAgentWorkflow"
-    assert len(inputs.train_dataset) == 64 and len(inputs.valid_dataset) == 64
+def test_jsonl_mode_is_not_trained(arena_config):
+    # its agent (examples.swe.agent) is not shipped; the loader refuses it as well
+    arena_config.econfig.dataset_source = "jsonl"  # past the loader's check
+    with pytest.raises(ValueError, match="'jsonl' is not supported; use 'arena'"):
+        build_training_inputs(arena_config)
 
 
 def test_group_filter_keeps_groups_up_to_mean_095():

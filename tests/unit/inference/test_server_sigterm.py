@@ -36,7 +36,10 @@ def test_sigterm_with_a_generation_in_flight_exits_within_the_grace_period(tiny_
                    for o in outcomes]  # fmt: skip
         for client in clients:
             client.start()
-        time.sleep(1.0)  # the generations are running
+        deadline = time.monotonic() + 30  # until all eight are decoding (the server says so)
+        while httpx.get(f"{url}/get_server_info", timeout=5).json()["running"] < len(clients):
+            assert time.monotonic() < deadline and not any(outcomes), outcomes
+            time.sleep(0.02)
         assert all(client.is_alive() for client in clients), outcomes
         begin = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -57,6 +57,22 @@ def post_in_background(url: str, body: dict, timeout: float) -> tuple[threading.
     return thread, outcome
 
 
+BUCKET = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]],
+          "group_name": "dead-trainer"}  # fmt: skip
+
+
+def wait_until_joining(url: str, outcome: dict) -> None:
+    """Wait for the server to say the join is under way (a bucket is refused as "still
+    being joined"), rather than sleeping and hoping it started."""
+    deadline = time.monotonic() + 30
+    while True:
+        refused = httpx.post(f"{url}/update_weights_from_distributed", json=BUCKET, timeout=10)
+        if "still being joined" in refused.text:
+            return
+        assert time.monotonic() < deadline and not outcome, ("no join under way", outcome)
+        time.sleep(0.02)
+
+
 def timed_generate(url: str) -> tuple[int | str, float]:
     begin = time.monotonic()
     try:
@@ -73,7 +89,7 @@ def test_generation_goes_on_while_a_join_is_pending(tiny_model_dir):
             join, outcome = post_in_background(
                 f"{url}/init_weights_update_group", dead_join(free_port()), timeout=30
             )
-            time.sleep(0.5)  # the join is under way
+            wait_until_joining(url, outcome)
             for _ in range(3):
                 status, took = timed_generate(url)
                 assert status == 200 and took < 5, f"/generate: {status} after {took:.1f} s"
@@ -101,9 +117,7 @@ def test_a_join_to_a_dead_address_fails_after_the_timeout(tiny_model_dir):
             assert "after 2" in outcome["json"]["message"], outcome["json"]["message"]
             assert 1.5 < outcome["seconds"] < 6, outcome["seconds"]
             # the failed join left nothing behind: a bucket finds no group, a rejoin starts
-            bucket = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]],
-                      "group_name": "dead-trainer"}  # fmt: skip
-            refused = httpx.post(f"{url}/update_weights_from_distributed", json=bucket)
+            refused = httpx.post(f"{url}/update_weights_from_distributed", json=BUCKET)
             assert "no weight-update group" in refused.json()["error"]["message"]
             again = httpx.post(
                 f"{url}/init_weights_update_group", json=dead_join(free_port()), timeout=30
@@ -121,15 +135,13 @@ def test_a_second_join_of_a_group_being_joined_is_refused(tiny_model_dir):
             first, outcome = post_in_background(
                 f"{url}/init_weights_update_group", dead_join(free_port()), timeout=30
             )
-            time.sleep(0.5)
+            wait_until_joining(url, outcome)
             second = httpx.post(
                 f"{url}/init_weights_update_group", json=dead_join(free_port()), timeout=10
             )
             assert second.status_code == 400
             assert "already being joined" in second.json()["error"]["message"]
-            bucket = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1]],
-                      "group_name": "dead-trainer"}  # fmt: skip
-            refused = httpx.post(f"{url}/update_weights_from_distributed", json=bucket)
+            refused = httpx.post(f"{url}/update_weights_from_distributed", json=BUCKET)
             assert "still being joined" in refused.json()["error"]["message"]
             first.join(timeout=15)
             assert outcome.get("status") == 400, outcome
@@ -142,7 +154,7 @@ def test_sigterm_during_a_pending_join_exits_at_once(tiny_model_dir):
         join, outcome = post_in_background(
             f"{url}/init_weights_update_group", dead_join(free_port()), timeout=60
         )
-        time.sleep(1.0)
+        wait_until_joining(url, outcome)
         assert join.is_alive(), outcome  # joining (the default bound is 60 s)
         begin = time.monotonic()
         proc.send_signal(signal.SIGTERM)

@@ -1,4 +1,8 @@
-"""Small engines that RPC-server and scheduler tests create on real worker processes."""
+"""Small engines that RPC-server and scheduler tests create on real worker processes.
+
+Each marks its own class an engine interface, so every public method of it may be called
+over RPC (real engines declare theirs in ``areal.api.engine_api``).
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from areal.api.engine_api import InferenceEngine, TrainEngine
+from areal.api.engine_api import InferenceEngine, TrainEngine, engine_interface
 
 
 class NotAnExceptionError(BaseException):
@@ -96,6 +100,7 @@ class _TrivialInference(InferenceEngine):
         return {}
 
 
+@engine_interface
 class EchoEngine(_TrivialInference):
     """Methods that exercise the RPC paths: plain, future, coroutine, failing, env, children.
 
@@ -157,6 +162,13 @@ class EchoEngine(_TrivialInference):
         pass
 
 
+class UndeclaredMethodEngine(_TrivialInference):
+    """An inference engine with a public method no engine interface declares."""
+
+    def undeclared(self) -> str:
+        return "ran"
+
+
 class BrokenEngine(_TrivialInference):
     def __init__(self, *args: Any, **kwargs: Any):
         raise ValueError("constructor exploded")
@@ -167,6 +179,7 @@ class NotAnEngine:
         pass
 
 
+@engine_interface
 class FakeTrainEngine(TrainEngine):
     """An initialized train engine that is (or is not) its data-parallel head."""
 

@@ -16,16 +16,30 @@ from starlette.routing import Route
 
 from areal.api.scheduler_api import Job, Worker
 from areal.utils.serving import serve_in_thread
+from tests.unit.infra.fake_scheduler import SyncEngineCalls
 
-__all__ = ["FakeRolloutScheduler", "FakeServer"]
+__all__ = ["FakeRolloutScheduler", "FakeServer", "with_dispatch_thread"]
+
+
+def with_dispatch_thread(start: Callable[[], Any]) -> tuple[Any, threading.Thread]:
+    """What ``start()`` returns (a started RolloutController) and the one thread it started
+    named ``*-dispatch``: that thread ends by itself when the run fails, and once it has
+    ended nothing more can be dispatched (a negative shown without waiting a while)."""
+    before = set(threading.enumerate())
+    started = start()
+    new = [t for t in threading.enumerate() if t not in before and t.name.endswith("-dispatch")]
+    assert len(new) == 1, f"expected one new '<role>-dispatch' thread, found {new}"
+    return started, new[0]
 
 
 class FakeServer:
     """Answers ``GET /health`` and ``GET /get_model_info`` with ``status`` after ``delay``
-    seconds (per path); :meth:`kill` closes its port for good."""
+    seconds (per path), or first with the statuses queued in ``next_status``; :meth:`kill`
+    closes its port for good."""
 
     def __init__(self) -> None:
         self.status: dict[str, int] = {"/health": 200, "/get_model_info": 200}
+        self.next_status: dict[str, list[int]] = {"/health": [], "/get_model_info": []}
         self.delay: dict[str, float] = {"/health": 0.0, "/get_model_info": 0.0}
         self.hits: list[str] = []
         app = Starlette(
@@ -41,14 +55,16 @@ class FakeServer:
     async def _answer(self, request: Request) -> Response:
         path = request.url.path
         self.hits.append(path)
+        queued = self.next_status[path].pop(0) if self.next_status[path] else None
         await asyncio.sleep(self.delay[path])
-        return JSONResponse({"status": "ok"}, status_code=self.status[path])
+        status = self.status[path] if queued is None else queued
+        return JSONResponse({"status": "ok"}, status_code=status)
 
     def kill(self) -> None:
         self._stack.close()
 
 
-class FakeRolloutScheduler:
+class FakeRolloutScheduler(SyncEngineCalls):
     """One rollout worker whose server is ``server_addr``, whose RPC server is
     ``worker_addr`` and whose proxy (once launched) is ``proxy_addr``. A submitted task
     finishes after ``task_seconds`` with ``outcome(data)`` (``None`` = rejected); the

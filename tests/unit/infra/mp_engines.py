@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from areal.api.engine_api import TrainEngine
+from areal.api.engine_api import PPOActorEngine
 
 __all__ = ["MPLayoutConfig", "RecordingMPEngine"]
 
@@ -39,7 +39,7 @@ class MPLayoutConfig:
     record_dir: str
 
 
-class RecordingMPEngine(TrainEngine):
+class RecordingMPEngine(PPOActorEngine):
     """A train engine whose ranks form ``world // tp`` DP replicas of ``tp`` TP ranks."""
 
     def __init__(self, config: MPLayoutConfig):

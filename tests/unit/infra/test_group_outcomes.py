@@ -13,6 +13,7 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.api.workflow_api import RolloutWorkflow
 from areal.infra import workflow_context
 from areal.infra.grouped_workflow import GroupedRolloutWorkflow
+from areal.infra.staleness_manager import StalenessManager
 from areal.infra.workflow_executor import DEADLINE_GRACE_S, WorkflowExecutor
 from areal.proxy.interaction import ExportedInteraction
 from areal.proxy.workflow import OpenAIProxyWorkflow
@@ -144,7 +145,10 @@ def test_a_hung_task_is_rejected_after_its_deadline_and_frees_its_slot():
     config = InferenceEngineConfig(
         consumer_batch_size=1, max_concurrent_rollouts=1, request_timeout=0.3
     )
-    executor = WorkflowExecutor(config, FakeEngine())
+    engine = FakeEngine()
+    executor = WorkflowExecutor(
+        config, engine, StalenessManager.from_config(config, engine.get_version)
+    )
     executor.initialize()
     stats_tracker.get("rollout").export()
     try:

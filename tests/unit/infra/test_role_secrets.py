@@ -51,7 +51,7 @@ def scheduler(tmp_path, monkeypatch):
 
 
 def _admin_digest(scheduler: LocalScheduler, worker_id: str) -> str:
-    config = dataclasses.replace(scheduler.config.rollout, queue_size=10**6)
+    config = dataclasses.replace(scheduler.config.rollout)
     asyncio.run(scheduler.create_engine(worker_id, ENGINE, None, config))
     return scheduler.call_engine(worker_id, "admin_key_digest")
 

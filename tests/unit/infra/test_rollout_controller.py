@@ -12,9 +12,11 @@ from areal.api.cli_args import InferenceEngineConfig, SchedulingSpec
 from areal.api.scheduler_api import Job, Worker
 from areal.infra.controller import rollout_controller
 from areal.infra.controller.rollout_controller import RolloutController
+from tests.unit.infra.fake_rollout import with_dispatch_thread
+from tests.unit.infra.fake_scheduler import SyncEngineCalls
 
 
-class FakeScheduler:
+class FakeScheduler(SyncEngineCalls):
     """One rollout worker whose tasks finish ``task_seconds`` after submission."""
 
     rpc_token = "fake-token-123456"
@@ -26,6 +28,7 @@ class FakeScheduler:
         self.fail_submit = fail_submit
         self.reject_all = reject_all
         self.submitted: list[int] = []
+        self.submit_attempts = 0
         self.started: dict[int, float] = {}
         self.lock = threading.Lock()
 
@@ -46,6 +49,8 @@ class FakeScheduler:
         if method == "launch_local_server":
             return "127.0.0.1:1"
         if method == "submit":
+            with self.lock:
+                self.submit_attempts += 1
             if self.fail_submit:
                 raise ConnectionError("worker gone")
             with self.lock:
@@ -97,21 +102,28 @@ def test_a_task_still_running_when_polled_is_not_rejected(monkeypatch):
         rows = [[{"id": 0}, {"id": 1}], [{"id": 2}, {"id": 3}]]
         batch = controller.prepare_batch(rows, workflow="w", batch_size=2)
         assert [t["task"] for t in batch] == [0, 1]
-        time.sleep(0.5)
-        assert scheduler.submitted == [0, 1]  # no row was replaced by a fresh one
+        # No task was rejected while it ran (that would have freed a slot for a fresh row).
+        # Both accepted and none running fill the bound of (0 + 0 + 1) x 2 rollouts at
+        # version 0: no capacity is left, so no other row can be dispatched later either.
+        stats = controller.staleness.get_stats()
+        assert (stats.accepted, stats.rejected, stats.running) == (2, 0, 0)
+        assert controller.staleness.get_capacity() == 0
+        assert scheduler.submitted == [0, 1]
     finally:
         controller.destroy()
 
 
 def test_a_worker_that_cannot_take_tasks_stops_the_dispatch():
     scheduler = FakeScheduler(fail_submit=True)
-    controller = _controller(scheduler)
+    controller, dispatcher = with_dispatch_thread(lambda: _controller(scheduler))
     try:
         rows = [[{"id": i}, {"id": i + 1}] for i in range(0, 100, 2)]
         with pytest.raises(RuntimeError, match="rollout dispatch stopped: worker gone"):
             controller.prepare_batch(rows, workflow="w", batch_size=2)
-        time.sleep(0.3)
-        assert len(scheduler.started) == 0 and controller.staleness.get_stats().rejected == 1
+        dispatcher.join(timeout=10)
+        assert not dispatcher.is_alive()  # stopped at the first failed submit
+        assert scheduler.submit_attempts == 1 and len(scheduler.started) == 0
+        assert controller.staleness.get_stats().rejected == 1
     finally:
         controller.destroy()
 
@@ -121,13 +133,15 @@ def test_a_storm_of_rejections_fails_the_run_instead_of_launching_forever(monkey
     # task) reject each rollout: after the limit nothing more is launched
     monkeypatch.setattr(rollout_controller, "COLLECT_TIMEOUT", 0.05)
     scheduler = FakeScheduler(reject_all=True)
-    controller = _controller(scheduler, max_consecutive_rejections=6, max_concurrent_rollouts=1)
+    controller, dispatcher = with_dispatch_thread(
+        lambda: _controller(scheduler, max_consecutive_rejections=6, max_concurrent_rollouts=1)
+    )
     try:
         rows = [[{"id": i}, {"id": i + 1}] for i in range(0, 1000, 2)]
         with pytest.raises(RuntimeError, match="the last 6 rollouts were all rejected"):
             controller.prepare_batch(rows, workflow="w", batch_size=2)
-        launched = len(scheduler.submitted)
-        time.sleep(0.5)
-        assert len(scheduler.submitted) == launched <= 7  # dispatch stopped at the limit
+        dispatcher.join(timeout=10)
+        assert not dispatcher.is_alive()
+        assert len(scheduler.submitted) <= 7  # dispatch stopped at the limit, for good
     finally:
         controller.destroy()

@@ -1,4 +1,5 @@
-"""Rollout workers dump every finished group, accepted or rejected, in the §9.5 layout."""
+"""Rollout workers dump every finished group, accepted or rejected, in the layout of
+docs/trainer.md#trajectory-dumps."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from areal.api.config.fields import FieldError
 from areal.api.io_struct import WeightUpdateMeta
 from areal.infra.controller.health import HealthSupervisor, HealthTarget, RolloutHealthError
 from areal.infra.controller.rollout_controller import RolloutController
-from tests.unit.infra.fake_rollout import FakeRolloutScheduler, FakeServer
+from tests.unit.infra.fake_rollout import FakeRolloutScheduler, FakeServer, with_dispatch_thread
 
 INTERVAL = 0.1
 TIMEOUT = 0.3
@@ -57,8 +57,9 @@ def test_a_killed_server_is_declared_dead_after_n_consecutive_failures(server):
     target = HealthTarget("inference server", server.address, "rollout/0")
     supervisor, seen = _supervise(target, failures=3)
     try:
-        time.sleep(6 * INTERVAL)
-        assert seen == [] and server.hits.count("/health") >= 3  # alive: probed, never dead
+        # a round starts once the last one is judged: at the 4th probe, three found it alive
+        assert _wait_for(lambda: server.hits.count("/health") >= 4, timeout=5.0)
+        assert seen == []  # alive: probed, never dead
         killed = time.monotonic()
         server.kill()
         assert _wait_for(lambda: seen, timeout=3.0)
@@ -73,12 +74,12 @@ def test_a_killed_server_is_declared_dead_after_n_consecutive_failures(server):
 
 
 def test_a_single_failed_check_is_not_death(server):
-    server.status["/health"] = 503
+    # streaks 1, 0, 1, 0 with a limit of 2: dead only if a good answer did not reset it
+    server.next_status["/health"] = [503, 200, 503]
     supervisor, seen = _supervise(HealthTarget("inference server", server.address, "w"), 2)
     try:
-        assert _wait_for(lambda: "/health" in server.hits, timeout=2.0)
-        server.status["/health"] = 200  # one 503, then healthy again: the streak resets
-        time.sleep(8 * INTERVAL)
+        # a round starts once the last one is judged: at the 5th probe, four were judged
+        assert _wait_for(lambda: server.hits.count("/health") >= 5, timeout=5.0)
     finally:
         supervisor.stop()
     assert seen == []
@@ -127,7 +128,8 @@ def test_paused_servers_are_probed_where_a_paused_scheduler_still_answers(server
     target = HealthTarget("inference server", server.address, "w", quiet_path="/get_model_info")
     supervisor, seen = _supervise(target, failures=2, quiet=lambda: True)
     try:
-        time.sleep(8 * INTERVAL)
+        # at the 3rd probe the first two (enough to be declared dead) were judged
+        assert _wait_for(lambda: server.hits.count("/get_model_info") >= 3, timeout=5.0)
     finally:
         supervisor.stop()
     assert seen == []
@@ -176,7 +178,7 @@ def test_a_dead_server_stops_the_dispatch_and_fails_prepare_batch(server):
     scheduler = FakeRolloutScheduler(
         server.address, worker_rpc.address, outcome=lambda data: None, task_seconds=0.02
     )
-    controller = _controller(scheduler)
+    controller, dispatcher = with_dispatch_thread(lambda: _controller(scheduler))
     try:
         outcome = _prepare_in_thread(controller)
         assert _wait_for(lambda: len(scheduler.submitted) >= 4, timeout=5.0)
@@ -188,9 +190,8 @@ def test_a_dead_server_stops_the_dispatch_and_fails_prepare_batch(server):
         assert f"inference server {server.address}" in str(error)
         assert "rollout/0" in str(error)
         assert outcome["at"] - killed < 3.0
-        dispatched = len(scheduler.submitted)
-        time.sleep(0.5)
-        assert len(scheduler.submitted) == dispatched  # nothing dispatched after detection
+        dispatcher.join(timeout=10)
+        assert not dispatcher.is_alive()  # stopped by the detection, for good
         detected = outcome["at"]
         assert all(at <= detected for _, at in scheduler.submitted)
         with pytest.raises(RolloutHealthError):  # and every call to the workers says so

@@ -26,6 +26,7 @@ from areal.infra.rpc.auth import (
 )
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.guard import SignedRequestGuard
+from areal.infra.rpc.loop import run_sync
 from areal.infra.rpc.rpc_server import WorkerServer
 from areal.infra.rpc.serialization import json_dumps
 from areal.infra.scheduler.exceptions import RPCAuthenticationError
@@ -247,6 +248,12 @@ def test_fork_and_create_engine_run_nothing_without_a_valid_signature(worker, tm
         cmd = [sys.executable, "-c", script]
         return json_dumps({"role": "evil", "worker_index": index, "raw_cmd": cmd})
 
+    def health() -> dict:
+        return run_sync(RPCClient(address, token=TOKEN).health())
+
+    # The worker starts a forked child inside its /fork handler, before it answers: any
+    # child is alive (counted) or has written to `runs` by the time its answer is in.
+    alive_before = health()["forked_children"]
     body = fork_body(0)
     stale = int(time.time()) - 120
     attempts = [
@@ -261,18 +268,20 @@ def test_fork_and_create_engine_run_nothing_without_a_valid_signature(worker, tm
     assert post(address, "/create_engine", create, {}).status_code == 401
     forged = signed(address, "/create_engine", create, token="x")
     assert post(address, "/create_engine", create, forged).status_code == 401
-    time.sleep(1.0)
-    assert not runs.exists()
-    assert "intruder" not in RPCClient(address, token=TOKEN).health()["engines"]
+    after_refusals = health()
+    assert after_refusals["forked_children"] == alive_before and not runs.exists()
+    assert "intruder" not in after_refusals["engines"]
 
     # the same request, properly signed, runs once; its replay does not run it again
     good = signed(address, "/fork", fork_body(1))
     assert post(address, "/fork", fork_body(1), good).status_code == 200
     assert post(address, "/fork", fork_body(1), good).status_code == 401
+    # both forks are answered, so their children (if any) started: once none is alive,
+    # every one of them has written to `runs`
     deadline = time.monotonic() + 30
-    while not runs.exists() and time.monotonic() < deadline:
+    while health()["forked_children"] > alive_before and time.monotonic() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)
+    assert health()["forked_children"] == alive_before
     assert runs.read_text() == "ran\n"
 
 
@@ -404,18 +413,20 @@ def test_the_token_is_never_in_any_request_of_the_client(tmp_path, monkeypatch):
     try:
         with serve_in_thread(recorder) as url:
             client = RPCClient(url.removeprefix("http://"), token=TOKEN, worker_id="actor/0")
-            client.health()
-            client.alloc_ports(2)
-            client.set_env({"AREAL_TEST_AUTH_FLAG": "1"})
-            client.configure({"seed": 3}, role="actor", rank=0)
-            name = client.create_engine(f"{FAKES}.EchoEngine", "echo")
-            assert client.call_engine("echo", 1, engine_name=name)["args"] == (1,)
+            run_sync(client.health())
+            run_sync(client.alloc_ports(2))
+            run_sync(client.set_env({"AREAL_TEST_AUTH_FLAG": "1"}))
+            run_sync(client.configure({"seed": 3}, role="actor", rank=0))
+            name = run_sync(client.create_engine(f"{FAKES}.EchoEngine", "echo"))
+            assert run_sync(client.call_engine("echo", 1, engine_name=name))["args"] == (1,)
             big = "z" * 2_000_000  # hashed off the event loop on both ends
-            assert client.call_engine("echo", big, engine_name=name)["args"] == (big,)
-            child = client.fork("helper", 0, [sys.executable, "-c", "import time; time.sleep(30)"])
+            assert run_sync(client.call_engine("echo", big, engine_name=name))["args"] == (big,)
+            child = run_sync(
+                client.fork("helper", 0, [sys.executable, "-c", "import time; time.sleep(30)"])
+            )
             assert child["pid"] > 0
-            client.kill_forked_worker("helper", 0)
-            client.call_engine("destroy", engine_name=name)
+            run_sync(client.kill_forked_worker("helper", 0))
+            run_sync(client.call_engine("destroy", engine_name=name))
     finally:
         server.shutdown()
     assert len(recorder.requests) == 10
@@ -448,9 +459,9 @@ def test_answers_without_a_valid_signature_are_not_acted_on(signed_by):
     with serve_in_thread(peer if signed_by else Unsigned(peer)) as url:
         client = RPCClient(url.removeprefix("http://"), token=TOKEN, worker_id="w/0")
         with pytest.raises(RPCAuthenticationError, match="did not prove it holds"):
-            client.call_engine("x", retry_delay=0.01)
+            run_sync(client.call_engine("x", retry_delay=0.01))
         assert peer.calls == 1  # not retried: waiting does not make a stranger a worker
         with pytest.raises(RPCAuthenticationError):
-            client.health()
+            run_sync(client.health())
         with pytest.raises(RPCAuthenticationError):
-            client.configure({"seed": 1}, role="actor", rank=0)
+            run_sync(client.configure({"seed": 1}, role="actor", rank=0))

@@ -27,6 +27,7 @@ from areal.infra.rpc.auth import (
 )
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.guard import SignedRequestGuard
+from areal.infra.rpc.loop import run_sync
 from areal.infra.rpc.processes import process_alive
 from areal.infra.rpc.serialization import json_dumps
 from areal.infra.scheduler.exceptions import (
@@ -140,7 +141,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningWorker]:
 def echo(worker: RunningWorker) -> str:
     """Name of an EchoEngine on the shared worker."""
     client = worker.client()
-    return client.create_engine(f"{FAKES}.EchoEngine", "echo", name="first")
+    return run_sync(client.create_engine(f"{FAKES}.EchoEngine", "echo", name="first"))
 
 
 # --- auth and health ---
@@ -150,7 +151,7 @@ def test_health_needs_no_token_but_tells_an_unsigned_caller_nothing_more(worker)
     response = httpx.get(f"{worker.url}/health")
     assert response.json() == {"status": "healthy"}
     assert SIGNATURE_HEADER not in response.headers
-    body = worker.client().health()  # signed, and the signed answer verified
+    body = run_sync(worker.client().health())  # signed, and the signed answer verified
     assert body["status"] == "healthy"
     assert {"forked_children", "engine_count", "engines"} <= set(body)
 
@@ -197,29 +198,29 @@ def test_worker_index_is_required(tmp_path):
 
 def test_alloc_ports(worker):
     client = worker.client()
-    first, second = client.alloc_ports(3), client.alloc_ports(2)
+    first, second = run_sync(client.alloc_ports(3)), run_sync(client.alloc_ports(2))
     assert len(set(first + second)) == 5
     assert worker.post("/alloc_ports", {"count": 0}).status_code == 400
     assert worker.post("/alloc_ports", {}).status_code == 400
     with pytest.raises(PortAllocationError, match="positive"):
-        client.alloc_ports(-1)
+        run_sync(client.alloc_ports(-1))
 
 
 def test_set_env_reaches_engines(worker, echo):
     client = worker.client()
-    client.set_env({"AREAL_TEST_FLAG": "on"})
-    assert client.call_engine("get_env", "AREAL_TEST_FLAG", engine_name=echo) == "on"
+    run_sync(client.set_env({"AREAL_TEST_FLAG": "on"}))
+    assert run_sync(client.call_engine("get_env", "AREAL_TEST_FLAG", engine_name=echo)) == "on"
     assert worker.post("/set_env", {"env": {"A": 1}}).status_code == 400
 
 
 def test_configure_seeds_with_role_and_rank(worker):
     client = worker.client()
-    reply = client.configure({"seed": 11}, role="actor", rank=3)
+    reply = run_sync(client.configure({"seed": 11}, role="actor", rank=3))
     # the key is the worker's own --role plus the rank
     assert reply["seed"] == derive_seed(11, "actor3")
     assert worker.post("/configure", {"config": {"seed": 1}}).status_code == 400
     with pytest.raises(WorkerConfigurationError, match="config"):
-        client._control("/configure", {"rank": 0}, WorkerConfigurationError)
+        run_sync(client._control("/configure", {"rank": 0}, WorkerConfigurationError))
 
 
 # --- engines ---
@@ -228,14 +229,14 @@ def test_configure_seeds_with_role_and_rank(worker):
 def test_create_engine_errors(worker, echo):
     client = worker.client()
     with pytest.raises(EngineCreationError, match="already exists"):
-        client.create_engine(f"{FAKES}.EchoEngine", echo)
+        run_sync(client.create_engine(f"{FAKES}.EchoEngine", echo))
     with pytest.raises(EngineImportError, match="cannot import"):
-        client.create_engine(f"{FAKES}.Missing", "missing")
+        run_sync(client.create_engine(f"{FAKES}.Missing", "missing"))
     with pytest.raises(EngineImportError, match="not a TrainEngine or InferenceEngine"):
-        client.create_engine(f"{FAKES}.NotAnEngine", "plain")
+        run_sync(client.create_engine(f"{FAKES}.NotAnEngine", "plain"))
     with pytest.raises(EngineCreationError, match=r"HTTP 500.*constructor exploded"):
-        client.create_engine(f"{FAKES}.BrokenEngine", "broken")
-    engines = client.health()["engines"]
+        run_sync(client.create_engine(f"{FAKES}.BrokenEngine", "broken"))
+    engines = run_sync(client.health())["engines"]
     assert echo in engines and not {"missing", "plain", "broken"} & set(engines)
     response = worker.post("/create_engine", {"engine": f"{FAKES}.BrokenEngine"})
     assert response.status_code == 400  # no engine_name
@@ -244,7 +245,9 @@ def test_create_engine_errors(worker, echo):
 def test_call_round_trips_values(worker, echo):
     client = worker.client()
     tensor = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3)
-    result = client.call_engine("echo", tensor, Point(1, 2.0), engine_name=echo, flag=(1, 2))
+    result = run_sync(
+        client.call_engine("echo", tensor, Point(1, 2.0), engine_name=echo, flag=(1, 2))
+    )
     assert torch.equal(result["args"][0], tensor)
     assert result["args"][1] == Point(1, 2.0)
     assert result["kwargs"] == {"flag": (1, 2)}
@@ -287,18 +290,18 @@ def test_engine_work_runs_on_one_engine_thread(worker, echo):
     client = worker.client()
 
     async def many() -> list:
-        calls = [client.async_call_engine("echo", i, engine_name=echo) for i in range(8)]
+        calls = [client.call_engine("echo", i, engine_name=echo) for i in range(8)]
         return await asyncio.gather(*calls)
 
     results = asyncio.run(many())
     assert [r["args"][0] for r in results] == list(range(8))
-    assert client.call_engine("engine_threads", engine_name=echo) == ["engine"]
+    assert run_sync(client.call_engine("engine_threads", engine_name=echo)) == ["engine"]
 
 
 def test_futures_and_coroutines_are_awaited(worker, echo):
     client = worker.client()
-    assert client.call_engine("future_square", 7, engine_name=echo) == 49
-    assert client.call_engine("async_double", 21, engine_name=echo) == 42
+    assert run_sync(client.call_engine("future_square", 7, engine_name=echo)) == 49
+    assert run_sync(client.call_engine("async_double", 21, engine_name=echo)) == 42
 
 
 def test_call_errors(worker, echo):
@@ -316,16 +319,28 @@ def test_call_errors(worker, echo):
     assert response.status_code == 500
     assert response.json()["error"] == "Engine method 'fail' failed: RuntimeError: boom"
     with pytest.raises(EngineCallError, match="boom") as info:
-        client.call_engine("fail", "boom", engine_name=echo, retry_delay=0.01)
+        run_sync(client.call_engine("fail", "boom", engine_name=echo, retry_delay=0.01))
     assert info.value.attempt == 1  # a plain 500 is not retried
+
+
+def test_only_interface_methods_are_called(worker):
+    client = worker.client()
+    run_sync(client.create_engine(f"{FAKES}.UndeclaredMethodEngine", "undeclared"))
+    assert run_sync(client.call_engine("get_version", engine_name="undeclared")) == 0
+    response = worker.post("/call", {"method": "undeclared", "engine_name": "undeclared"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert "'undeclared'" in error and "engine interfaces" in error
 
 
 def test_an_engine_failure_that_is_no_exception_gets_a_signed_answer(worker, echo):
     # e.g. a DCP save on a full disk: unsigned, the client would blame an impostor instead
     expected = "Engine method 'fail_beyond_exception' failed: NotAnExceptionError: disk full"
     with pytest.raises(EngineCallError, match=expected):
-        worker.client().call_engine("fail_beyond_exception", "disk full", engine_name=echo)
-    assert worker.client().call_engine("add", 1, 2, engine_name=echo) == 3  # still serving
+        run_sync(
+            worker.client().call_engine("fail_beyond_exception", "disk full", engine_name=echo)
+        )
+    assert run_sync(worker.client().call_engine("add", 1, 2, engine_name=echo)) == 3  # serving
 
 
 def test_the_guard_signs_the_answer_to_an_app_that_failed_without_one():
@@ -342,17 +357,17 @@ def test_the_guard_signs_the_answer_to_an_app_that_failed_without_one():
 
 def test_non_head_train_ranks_return_null(worker):
     client = worker.client()
-    client.create_engine(f"{FAKES}.FakeTrainEngine", "head", head=True)
-    client.create_engine(f"{FAKES}.FakeTrainEngine", "follower", head=False)
-    assert client.call_engine("step", 1, engine_name="head") == 2
-    assert client.call_engine("step", 1, engine_name="follower") is None
+    run_sync(client.create_engine(f"{FAKES}.FakeTrainEngine", "head", head=True))
+    run_sync(client.create_engine(f"{FAKES}.FakeTrainEngine", "follower", head=False))
+    assert run_sync(client.call_engine("step", 1, engine_name="head")) == 2
+    assert run_sync(client.call_engine("step", 1, engine_name="follower")) is None
 
 
 def test_destroy_drops_the_engine(worker):
     client = worker.client()
-    client.create_engine(f"{FAKES}.EchoEngine", "short-lived")
-    client.call_engine("destroy", engine_name="short-lived")
-    assert "short-lived" not in client.health()["engines"]
+    run_sync(client.create_engine(f"{FAKES}.EchoEngine", "short-lived"))
+    run_sync(client.call_engine("destroy", engine_name="short-lived"))
+    assert "short-lived" not in run_sync(client.health())["engines"]
 
 
 # --- fork ---
@@ -363,7 +378,9 @@ def test_fork_and_kill(worker):
     script = (
         "import os, time; print('hello from', os.environ['FORK_FLAG'], flush=True); time.sleep(60)"
     )
-    info = client.fork("helper", 0, [sys.executable, "-c", script], env={"FORK_FLAG": "child"})
+    info = run_sync(
+        client.fork("helper", 0, [sys.executable, "-c", script], env={"FORK_FLAG": "child"})
+    )
     assert info["status"] == "success" and info["host"] == "127.0.0.1"
     pid = info["pid"]
     log_dir = get_log_path(str(worker.root / "files"), "exp", "trial", create=False)
@@ -372,12 +389,12 @@ def test_fork_and_kill(worker):
         assert time.monotonic() < deadline, "forked child did not log"
         time.sleep(0.05)
     assert "[helper/0] hello from child" in _read(log_dir / "merged.log")
-    assert client.health()["forked_children"] == 1
+    assert run_sync(client.health())["forked_children"] == 1
     assert (
         worker.post("/fork", {"role": "helper", "worker_index": 0, "raw_cmd": ["x"]}).status_code
         == 400
     )
-    client.kill_forked_worker("helper", 0)
+    run_sync(client.kill_forked_worker("helper", 0))
     assert not process_alive(pid)
     assert (
         worker.post("/kill_forked_worker", {"role": "helper", "worker_index": 0}).status_code == 404
@@ -400,8 +417,10 @@ def test_sigterm_destroys_engines_and_kills_forked_children(tmp_path):
     try:
         client = running.client()
         marker = tmp_path / "destroyed"
-        client.create_engine(f"{FAKES}.EchoEngine", "e", destroy_marker=str(marker))
-        child = client.fork("sub", 0, [sys.executable, "-c", "import time; time.sleep(60)"])
+        run_sync(client.create_engine(f"{FAKES}.EchoEngine", "e", destroy_marker=str(marker)))
+        child = run_sync(
+            client.fork("sub", 0, [sys.executable, "-c", "import time; time.sleep(60)"])
+        )
         running.process.send_signal(signal.SIGTERM)
         assert running.process.wait(timeout=30) == 0
         assert marker.read_text() == "destroyed echo"
@@ -467,7 +486,7 @@ def test_client_retries_transient_failures(script, expected_calls):
     peer = ScriptedCallServer(script)
     with serve_in_thread(peer) as url:
         client = RPCClient(url.removeprefix("http://"), token="tok", worker_id="w/0")
-        assert client.call_engine("x", retry_delay=0.01) == 5
+        assert run_sync(client.call_engine("x", retry_delay=0.01)) == 5
     assert peer.calls == expected_calls
     assert len(set(peer.nonces)) == expected_calls  # each attempt signed afresh
     assert not any(b"x-areal-token" in h for h in peer.headers)
@@ -478,7 +497,7 @@ def test_client_gives_up_after_max_retries_and_keeps_the_server_error():
     with serve_in_thread(peer) as url:
         client = RPCClient(url.removeprefix("http://"), token="tok", worker_id="w/0")
         with pytest.raises(EngineCallError, match="still busy") as info:
-            client.call_engine("x", max_retries=2, retry_delay=0.01)
+            run_sync(client.call_engine("x", max_retries=2, retry_delay=0.01))
     assert info.value.attempt == 2 and peer.calls == 2
 
 
@@ -487,7 +506,7 @@ def test_client_does_not_retry_client_errors():
     with serve_in_thread(peer) as url:
         client = RPCClient(url.removeprefix("http://"), token="tok", worker_id="w/0")
         with pytest.raises(EngineCallError, match="has no method"):
-            asyncio.run(client.async_call_engine("x", retry_delay=0.01))
+            asyncio.run(client.call_engine("x", retry_delay=0.01))
     assert peer.calls == 1
 
 
@@ -500,18 +519,18 @@ def test_client_retries_connection_errors_then_raises(unused_port):
         liveness_check=lambda: checks.append(1),
     )
     with pytest.raises(EngineCallError, match="no answer") as info:
-        client.call_engine("x", max_retries=3, retry_delay=0.01)
+        run_sync(client.call_engine("x", max_retries=3, retry_delay=0.01))
     assert info.value.attempt == 3
     assert len(checks) == 4  # before each attempt, and once more to explain the failure
     with pytest.raises(RPCConnectionError):
-        client.health()
+        run_sync(client.health())
 
 
 def test_client_token_defaults_to_the_environment(monkeypatch):
     monkeypatch.setenv(RPC_TOKEN_ENV, "from-env")
     peer = ScriptedCallServer([OK], token="from-env")  # answers verify only with that token
     with serve_in_thread(peer) as url:
-        assert RPCClient(url.removeprefix("http://")).call_engine("x") == 5
+        assert run_sync(RPCClient(url.removeprefix("http://")).call_engine("x")) == 5
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""Config secrets reach workers through their environment, never in an RPC body (DESIGN 15)."""
+"""Config secrets reach workers through their environment, never in an RPC body
+(docs/design.md#secrets-are-a-type)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import httpx
 import pytest
 
 from areal.api.cli_args import ClusterSpecConfig, NameResolveConfig, PPOConfig, SchedulingSpec
-from areal.api.engine_api import InferenceEngine
+from areal.api.engine_api import InferenceEngine, engine_interface
 from areal.api.scheduler_api import Job
 from areal.infra.rpc.secret_env import SECRET_ENV_PREFIX, config_secrets, secret_refs
 from areal.infra.rpc.serialization import (
@@ -34,6 +35,7 @@ def sha(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@engine_interface
 class RolloutConfigEngine(EchoEngine):
     """Built from a rollout config, as the rollout worker's engine is."""
 
@@ -140,7 +142,7 @@ def test_the_admin_key_reaches_the_worker_but_no_request_body(scheduler, monkeyp
     scheduler.create_workers(Job("rollout", 1, [SchedulingSpec(port_count=1)], secrets="rollout"))
     (worker,) = scheduler.get_workers("rollout", timeout=60.0)
     # what the rollout controller sends: a copy of the experiment's rollout config
-    worker_config = dataclasses.replace(scheduler.config.rollout, queue_size=10**6)
+    worker_config = dataclasses.replace(scheduler.config.rollout)
     engine = f"{__name__}.RolloutConfigEngine"
     asyncio.run(scheduler.create_engine(worker.id, engine, None, worker_config))
     assert scheduler.call_engine(worker.id, "admin_key_digest") == sha(SENTINEL)
@@ -157,11 +159,12 @@ def test_the_admin_key_reaches_the_worker_but_no_request_body(scheduler, monkeyp
 
 def test_secrets_are_refused_in_set_env_and_fork_bodies():
     from areal.infra.rpc.client import RPCClient
+    from areal.infra.rpc.loop import run_sync
     from areal.infra.scheduler.exceptions import WorkerConfigurationError
 
     client = RPCClient("127.0.0.1:9", token="t", worker_id="w/0")  # nothing is sent
     with pytest.raises(WorkerConfigurationError, match="KEY"):
-        client.set_env({"KEY": SecretStr(SENTINEL), "PLAIN": "1"})
+        run_sync(client.set_env({"KEY": SecretStr(SENTINEL), "PLAIN": "1"}))
     with pytest.raises(WorkerConfigurationError, match="KEY"):
-        client.fork("r", 0, ["python"], env={"KEY": SecretStr(SENTINEL)})
-    client.close()
+        run_sync(client.fork("r", 0, ["python"], env={"KEY": SecretStr(SENTINEL)}))
+    run_sync(client.close())

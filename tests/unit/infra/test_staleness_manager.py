@@ -1,4 +1,4 @@
-"""StalenessManager capacities, computed by hand (framework spec 6.4).
+"""StalenessManager capacities, computed by hand (docs/design.md#staleness-gate).
 
 capacity = min(max(1, max_concurrent) - running, (eta + v + 1) * B - (accepted + running))
 """

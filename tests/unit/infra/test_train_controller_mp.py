@@ -18,12 +18,15 @@ from areal.api.cli_args import (
     NameResolveConfig,
     SchedulingSpec,
 )
+from areal.api.engine_api import PPOActorEngine
 from areal.api.io_struct import FinetuneSpec
 from areal.api.scheduler_api import RPC_TOKEN_ENV, Worker
 from areal.infra.controller.train_controller import TrainController, balanced_partition
+from areal.infra.rpc.remote_engine import RemoteEngine
 from areal.infra.scheduler.local import LocalScheduler
 from areal.utils import name_resolve
 from areal.utils.data import concat_padded_tensors
+from tests.unit.infra.fake_scheduler import SyncEngineCalls
 from tests.unit.infra.mp_engines import LOGP_OFFSET, N_MINIBATCHES, MPLayoutConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
@@ -173,7 +176,7 @@ def test_balanced_partition_leaves_no_rank_empty():
     assert balanced_partition([9, 5, 4, 3], 2) == [[0, 3], [1, 2]]
 
 
-class ScriptedLayouts:
+class ScriptedLayouts(SyncEngineCalls):
     """A scheduler stand-in whose workers answer ``data_parallel_layout`` from a script."""
 
     def __init__(self, answers: list[dict | None]):
@@ -222,14 +225,16 @@ def test_a_failing_rank_fails_the_call_without_waiting_for_the_others():
 
     release = threading.Event()
 
-    class Scheduler:
+    class Scheduler(SyncEngineCalls):
         def call_engine(self, worker_id, method, *args, **kwargs):
             if worker_id == "actor/0":
                 raise RuntimeError("rank 0 failed in send_weights")
             release.wait(60)  # a peer stuck in the collective rank 0 never joins
 
-    controller = TrainController("engine", None, Scheduler())
+    scheduler = Scheduler()
+    controller = TrainController("engine", None, scheduler)
     controller.workers = [Worker(f"actor/{i}", "127.0.0.1", ["1"], []) for i in range(2)]
+    controller.ranks = [RemoteEngine(scheduler, w.id, PPOActorEngine) for w in controller.workers]
     begin = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 0 failed"):
         controller.send_weights(None)

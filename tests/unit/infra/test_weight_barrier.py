@@ -1,9 +1,11 @@
-"""One weight-update barrier (DESIGN decision 10): the only pause path of the rollout side,
-and a weight-sync handshake the controller runs, trainer and inference concurrently."""
+"""One weight-update barrier (docs/design.md#one-pause-and-version-source): the only pause
+path of the rollout side, and a weight-sync handshake the controller runs, trainer and
+inference concurrently."""
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import contextlib
 import multiprocessing
 import os
@@ -24,6 +26,7 @@ from areal.engine import weight_sync
 from areal.engine.sglang_remote import RemoteInfEngine
 from areal.infra.controller.rollout_controller import RolloutController
 from areal.infra.weight_barrier import BarrierState
+from tests.unit.infra.fake_scheduler import SyncEngineCalls
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -58,6 +61,21 @@ def test_another_process_reads_the_same_pause_and_version():
     finally:
         state.close()
     assert not Path(state.path).exists()
+
+
+async def test_held_counts_the_callers_waiting_at_a_closed_barrier():
+    state = BarrierState(version=2)
+    try:
+        assert await state.wait_open() == 2 and state.held == 0  # open: never held
+        state.begin()
+        waiters = [asyncio.create_task(state.wait_open()) for _ in range(2)]
+        await asyncio.sleep(0)  # one turn of the loop: both run up to their first poll
+        assert state.held == 2 and not any(waiter.done() for waiter in waiters)
+        state.end(3)
+        assert await asyncio.gather(*waiters) == [3, 3]  # the version set on opening
+        assert state.held == 0
+    finally:
+        state.close()
 
 
 # --- nothing left behind, however the owner ends ---
@@ -126,7 +144,7 @@ def test_no_barrier_file_is_left_however_the_owner_ends(tmp_path, end, status):
 # --- the controller's barrier ---
 
 
-class RecordingScheduler:
+class RecordingScheduler(SyncEngineCalls):
     """One rollout worker; tasks finish at once; every engine call is recorded."""
 
     def __init__(self) -> None:
@@ -191,9 +209,14 @@ def test_begin_stops_dispatch_and_end_sets_the_version_everywhere_and_resumes():
         assert len(controller.prepare_batch(rows, workflow="w", batch_size=2)) == 2
         controller.begin_weight_update(1)
         controller.begin_weight_update(1)  # idempotent: the workers hear it once
-        time.sleep(0.2)
-        held = len(scheduler.submitted())
-        time.sleep(0.3)
+        # Every dispatch counts a running rollout at once; begin returns with the count
+        # final (running + accepted + rejected keeps its sum). Once the submits of those
+        # rollouts are in, nothing else was dispatched inside the barrier.
+        stats = controller.staleness.get_stats()
+        held = stats.running + stats.accepted + stats.rejected
+        deadline = time.monotonic() + 10
+        while len(scheduler.submitted()) < held and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert len(scheduler.submitted()) == held  # nothing dispatched inside the barrier
         controller.receive_weights(WeightUpdateMeta(type="disk", path=None, version=1))
         assert len(scheduler.submitted()) == held  # still held after the weights are in

@@ -14,6 +14,7 @@ from areal.api.cli_args import InferenceEngineConfig
 from areal.api.workflow_api import RolloutWorkflow
 from areal.infra import workflow_context
 from areal.infra.grouped_workflow import GroupedRolloutWorkflow, resolve_workflow
+from areal.infra.staleness_manager import StalenessManager
 from areal.infra.workflow_executor import WorkflowExecutor
 
 
@@ -59,7 +60,10 @@ def make_executor(engine, **overrides) -> WorkflowExecutor:
         max_head_offpolicyness=overrides.pop("eta", 1),
         **overrides,
     )
-    executor = WorkflowExecutor(config, engine)
+    # in-process, with no rollout controller: the executor holds the staleness gate
+    executor = WorkflowExecutor(
+        config, engine, StalenessManager.from_config(config, engine.get_version)
+    )
     executor.initialize()
     return executor
 

@@ -1,7 +1,7 @@
 """``rollout.deterministic_sampling``: the proxy seeds requests that carry no seed.
 
 The seed of a session's k-th request (k counted from 0 on arrival) is the first 4 bytes,
-big-endian, of SHA-256("<task id>:<k>"), masked to 31 bits (framework.md §proxy). For task
+big-endian, of SHA-256("<task id>:<k>"), masked to 31 bits, as the reference seeds them. For task
 ``task-7``: SHA-256("task-7:0") starts f0 54 0a 3d -> 0x70540a3d = 1884555837, and
 SHA-256("task-7:1") starts 20 3b d2 7c -> 540791420.
 """

@@ -296,7 +296,7 @@ def test_values_at_the_edges_of_the_ranges_are_served_and_just_past_them_refused
     assert response.status_code == 200, response.text
     sent = engine.requests[-1].gconfig
     assert sent.frequency_penalty == 2.0 and sent.greedy
-    # top_p 0 is the reference's "unset": served as 1.0 (spec §5.4)
+    # top_p 0 is the reference's "unset": served as 1.0
     response = send(url, "/v1/chat/completions", {**CHAT, "top_p": 0}, key)
     assert response.status_code == 200 and engine.requests[-1].gconfig.top_p == 1.0
     for path, base in (PATHS["responses"], PATHS["anthropic"]):

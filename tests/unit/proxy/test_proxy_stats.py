@@ -1,7 +1,8 @@
 """Metrics recorded inside the proxy process reach the rollout worker's ``export_stats``.
 
 The proxy counts concat children whose prompt does not extend their parent's tokens
-(DESIGN 13) and requests sampled off ``actor.temperature`` (DESIGN 14); ``POST /rl/stats``
+(docs/design.md#verified-concat-tokenization) and requests sampled off ``actor.temperature``
+(docs/design.md#sampling-parameters-recorded-and-checked); ``POST /rl/stats``
 (admin) hands them over in ``stats_tracker``'s mergeable form.
 """
 

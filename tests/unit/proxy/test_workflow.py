@@ -12,6 +12,7 @@ import torch
 from areal.api.cli_args import AgentConfig, InferenceEngineConfig
 from areal.infra import workflow_context
 from areal.infra.workflow_executor import WorkflowExecutor
+from areal.proxy.hooks import AgentHookError
 from areal.proxy.keys import derive_gateway_key, derive_session_token
 from areal.proxy.workflow import HARNESS_OUTCOME_METRIC_CODES, OpenAIProxyWorkflow
 from areal.utils import stats_tracker
@@ -198,7 +199,7 @@ async def test_hooks_classify_and_record(proxy):
     agent.disposition = "keep"
     with (
         workflow_context.scoped(task_id=9),
-        pytest.raises(ValueError, match="classify_proxy_failure"),
+        pytest.raises(AgentHookError, match="classify_proxy_failure"),
     ):
         await workflow(agent, url).arun_episode(None, {"id": 9})
 

@@ -1,4 +1,4 @@
-"""The per-step ``ppo_actor/*`` stats of spec §8.3 after one GRPO step on CPU."""
+"""The per-step ``ppo_actor/*`` stats after a GRPO step on CPU (docs/grpo.md#logged-statistics)."""
 
 from __future__ import annotations
 

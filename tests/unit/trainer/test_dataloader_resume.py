@@ -86,7 +86,9 @@ def test_rows_drawn_ahead_by_the_rollout_are_trained_after_resume_exactly_once()
         controller, loader = controller_for(None, 0)
         try:
             train_steps(controller, loader, range(2))
-            time.sleep(0.3)  # the rollout runs ahead of training
+            deadline = time.monotonic() + 10  # until the rollout has drawn ahead of training
+            while not loader.outstanding() and time.monotonic() < deadline:
+                time.sleep(0.01)
             controller.begin_weight_update(2)
             state = _checkpoint(loader)  # the recover point after step 1
         finally:

@@ -27,8 +27,9 @@ from areal.api.config.support import refuse_unsupported, unsupported
 from areal.api.scheduler_api import Job, Worker
 from areal.infra.controller import rollout_controller
 from areal.infra.controller.rollout_controller import RolloutController
-from areal.trainer import rl_trainer
+from areal.trainer import evaluation, rl_trainer
 from areal.trainer.ppo.functions import compute_advantages
+from tests.unit.infra.fake_scheduler import SyncEngineCalls
 
 REPO = Path(__file__).resolve().parents[3]
 TOY = REPO / "examples" / "toy" / "toy_grpo.yaml"
@@ -194,7 +195,7 @@ def test_a_ref_that_cannot_be_built_is_refused_at_load(toy_env, extra, overrides
 # --- the eval controller: every row once, its stats under its own scope ------------------------
 
 
-class OneWorkerScheduler:
+class OneWorkerScheduler(SyncEngineCalls):
     """A rollout worker whose task ``i`` finishes at once, rejected when ``i`` is odd."""
 
     rpc_token = "fake-token-123456"
@@ -249,7 +250,7 @@ def test_rollout_batch_returns_every_row_in_order_and_stats_are_rescoped(monkeyp
         trial_name="trial",
         consumer_batch_size=2,
         max_concurrent_rollouts=2,
-        max_head_offpolicyness=10**12,
+        max_head_offpolicyness=None,  # no staleness bound: an eval controller's
         health_check_interval=0,
     )
     scheduler = OneWorkerScheduler()
@@ -278,16 +279,16 @@ def test_eval_stats_count_rows_and_average_accepted_samples():
         None,  # rejected
         {"rewards": torch.tensor([0.0])},
     ]
-    stats = rl_trainer._eval_stats(results)
+    stats = evaluation.eval_stats(results)
     assert stats == {
         "eval-rollout/n_rows": 3.0,
         "eval-rollout/n_rejected": 1.0,
         "eval-rollout/n_samples": 3.0,
         "eval-rollout/reward_mean": 0.5,  # (1 + 0.5 + 0) / 3
     }
-    before = rl_trainer._rescope(stats, "eval-rollout", "eval-rollout/before_train")
+    before = evaluation.rescope(stats, "eval-rollout", "eval-rollout/before_train")
     assert before["eval-rollout/before_train/reward_mean"] == 0.5
-    assert rl_trainer._rescope({"rollout/x": 1.0}, "eval-rollout", "y") == {"rollout/x": 1.0}
+    assert evaluation.rescope({"rollout/x": 1.0}, "eval-rollout", "y") == {"rollout/x": 1.0}
 
 
 # --- train(): the reference's positional order ---------------------------------------------------
@@ -308,7 +309,7 @@ def test_train_takes_the_eval_workflow_second():
         trainer.train("examples.toy.token_reward.TokenRewardWorkflow", {"target_start": 1})
 
 
-# --- no eval worker without an evaluation to run (DESIGN 17) -------------------------------------
+# --- no eval worker without an evaluation to run (docs/design.md#lazy-evaluation-machinery) ---
 
 
 class _NoWorkers(RolloutController):
@@ -339,7 +340,7 @@ def test_no_eval_controller_starts_without_an_evaluation(
     config.evaluator.freq_epochs = None
     config.evaluator.freq_secs = None
     config.evaluator.eval_before_train = False
-    monkeypatch.setattr(rl_trainer, "RolloutController", _NoWorkers)
+    monkeypatch.setattr(evaluation, "RolloutController", _NoWorkers)
     trainer = rl_trainer.PPOTrainer.__new__(rl_trainer.PPOTrainer)  # nothing started
     trainer.config, trainer.valid_dataset, trainer.eval_rollout = config, rows, None
     assert trainer._eval_pass(workflow, None) is None
@@ -352,7 +353,7 @@ def test_an_eval_controller_is_built_when_there_is_an_evaluation(toy_env, monkey
 
     config = _load(None, tmp=toy_env)
     config.evaluator.freq_steps = 1
-    monkeypatch.setattr(rl_trainer, "RolloutController", _NoWorkers)
+    monkeypatch.setattr(evaluation, "RolloutController", _NoWorkers)
     monkeypatch.setattr(_NoWorkers, "built", 0)
     trainer = rl_trainer.PPOTrainer.__new__(rl_trainer.PPOTrainer)
     trainer.config, trainer.valid_dataset, trainer.eval_rollout = config, [{"x": 1}], None

@@ -1,4 +1,4 @@
-"""Token-mean loss over micro-batches (§7.4, §8.3 step 9), as plain tensor maths.
+"""Token-mean loss over micro-batches (docs/grpo.md#actor-loss, step 9), as plain tensor maths.
 
 Each micro-batch loss is ``Σ L_t / N_mb``; the engine scales it by ``N_mb / W`` where ``W`` is
 the trainable-token count of the whole minibatch. The sum is then ``Σ L_t / W``: the token

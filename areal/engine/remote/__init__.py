@@ -1,0 +1,1 @@
+"""The parts of a rollout worker's inference engine, composed by ``RemoteInfEngine``."""
