@@ -28,12 +28,21 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
+import torch
 
 from areal.api.scheduler_api import RPC_TOKEN_ENV
-from areal.infra.rpc.auth import RequestSigner, SignatureError
+from areal.infra.rpc.auth import (
+    NONCE_HEADER,
+    SIGNATURE_HEADER,
+    SignatureError,
+    sign_request,
+    verify_response,
+)
 from areal.infra.rpc.loop import on_rpc_loop
 from areal.infra.rpc.secret_env import secret_refs
 from areal.infra.rpc.serialization import (
@@ -52,7 +61,6 @@ from areal.infra.scheduler.exceptions import (
     SchedulerError,
     WorkerConfigurationError,
 )
-from areal.utils.network import NO_DELAY
 from areal.utils.retry import RetryPolicy
 from areal.utils.secrets import SecretStr, reveal
 
@@ -63,9 +71,37 @@ CREATE_ENGINE_TIMEOUT = 600.0
 _RETRY_STATUSES = frozenset({503})
 # answers bigger than this are decoded off the RPC loop, which keeps serving meanwhile
 _DECODE_INLINE_BYTES = 64 * 1024
+POOL_CONNECTIONS = 100  # per worker: long polls and fan-outs share it
 
 
-def _error_text(response: httpx.Response) -> str:
+@dataclass(frozen=True)
+class Answer:
+    """A worker's answer: status, body and headers (read in full)."""
+
+    status_code: int
+    content: bytes
+    headers: Mapping[str, str]
+
+    @property
+    def text(self) -> str:
+        return self.content.decode("utf-8", errors="replace")
+
+
+def _heavy(value: Any, depth: int = 0) -> bool:
+    """Whether encoding ``value`` may hold the loop: it holds a tensor within three levels
+    (a batch is a list of dicts of tensors) or a container of over 64 items."""
+    if isinstance(value, torch.Tensor):
+        return True
+    if depth > 2:
+        return False
+    if isinstance(value, Mapping):
+        return len(value) > 64 or any(_heavy(v, depth + 1) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return len(value) > 64 or any(_heavy(v, depth + 1) for v in value)
+    return False
+
+
+def _error_text(response: Answer) -> str:
     try:
         data = json_loads(response.content)
     except ValueError:
@@ -75,7 +111,7 @@ def _error_text(response: httpx.Response) -> str:
     return response.text[:2000]
 
 
-def _retryable(response: httpx.Response) -> bool:
+def _retryable(response: Answer) -> bool:
     if response.status_code in _RETRY_STATUSES:
         return True
     return response.status_code == 500 and "timeout" in _error_text(response).lower()
@@ -107,12 +143,14 @@ class RPCClient:
         token: str | None = None,
         worker_id: str | None = None,
         liveness_check: Callable[[], None] | None = None,
+        liveness_check_blocks: bool = True,
         secret_env: Mapping[str, str] | None = None,
         withheld_secrets: Iterable[str] = (),
     ):
         """``secret_env``: ``{variable name: secret}`` the worker has in its environment;
         ``withheld_secrets``: the run's secrets it is not given (they arrive empty).
-        ``liveness_check`` may block (it runs off the RPC loop)."""
+        ``liveness_check`` runs off the RPC loop unless ``liveness_check_blocks`` is false
+        (a ``poll()`` of a local process, not a ``squeue``)."""
         self.address = address
         self.worker_id = worker_id or address
         self.base_url = f"http://{address}"
@@ -122,22 +160,20 @@ class RPCClient:
                 f"worker {self.worker_id}: no RPC token to sign requests with (pass token= "
                 f"or set ${RPC_TOKEN_ENV})"
             )
-        self._auth = RequestSigner(token)
         self._liveness_check = liveness_check
+        self._liveness_check_blocks = liveness_check_blocks
         self._secret_refs = {
             **{reveal(s): "" for s in withheld_secrets if reveal(s)},
             **secret_refs(secret_env or {}),
         }
-        self._http: httpx.AsyncClient | None = None  # made on the RPC loop, at first use
+        self._token = reveal(token)
+        self._http: aiohttp.ClientSession | None = None  # made on the RPC loop, at first use
 
-    def _client(self) -> httpx.AsyncClient:
-        if self._http is None:
-            self._http = httpx.AsyncClient(
-                base_url=self.base_url,
-                headers={"content-type": "application/json"},
-                auth=self._auth,
-                transport=httpx.AsyncHTTPTransport(socket_options=NO_DELAY),
-            )
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            # aiohttp: a round trip costs about a third of httpx's async client's here
+            connector = aiohttp.TCPConnector(limit=POOL_CONNECTIONS, force_close=False)
+            self._http = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         return self._http
 
     @on_rpc_loop
@@ -145,7 +181,7 @@ class RPCClient:
         """Close the pooled connections (a later request opens new ones)."""
         if self._http is not None:
             http, self._http = self._http, None
-            await http.aclose()
+            await http.close()
 
     def _unauthenticated(self, path: str, error: SignatureError) -> RPCAuthenticationError:
         return RPCAuthenticationError(
@@ -153,19 +189,54 @@ class RPCClient:
             "there did not prove it holds this run's RPC token, so nothing it says is used"
         )
 
-    async def _post(self, path: str, content: bytes, timeout: float) -> httpx.Response:
-        """One signed POST; an answer without the worker's signature raises."""
+    async def _send(self, method: str, path: str, content: bytes, timeout: float) -> Answer:
+        """One signed request; an answer without the worker's signature raises
+        :class:`RPCAuthenticationError`. Transport failures raise httpx's exception types
+        (``httpx.ConnectError``, ``httpx.ReadTimeout``...), the vocabulary of this module."""
+        signature = sign_request(self._token, method, self.address, path, content)
+        headers = {"host": self.address, "content-type": "application/json", **signature}
         try:
-            return await self._client().post(path, content=content, timeout=timeout)
+            async with self._session().request(
+                method,
+                f"{self.base_url}{path}",
+                data=content if method == "POST" else None,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as response:
+                answer = Answer(response.status, await response.read(), response.headers)
+        except TimeoutError as e:
+            raise httpx.ReadTimeout(f"no answer within {timeout:g} s") from e
+        except aiohttp.ClientConnectorError as e:
+            raise httpx.ConnectError(str(e)) from e
+        except aiohttp.ClientError as e:
+            raise httpx.RemoteProtocolError(f"{type(e).__name__}: {e}") from e
+        if answer.status_code == 401 and SIGNATURE_HEADER not in answer.headers:
+            return answer  # a refusal: the caller turns it into an error, never into a result
+        try:
+            verify_response(
+                self._token,
+                answer.status_code,
+                signature[NONCE_HEADER],
+                answer.headers,
+                answer.content,
+            )
         except SignatureError as e:
             raise self._unauthenticated(path, e) from None
+        return answer
+
+    async def _post(self, path: str, content: bytes, timeout: float) -> Answer:
+        return await self._send("POST", path, content, timeout)
 
     def _encode(self, value: Any) -> Any:
         return serialize_value(value, secret_env=self._secret_refs)
 
     async def _check_liveness(self) -> None:
-        if self._liveness_check is not None:
+        if self._liveness_check is None:
+            return
+        if self._liveness_check_blocks:
             await asyncio.to_thread(self._liveness_check)  # e.g. squeue: never on the loop
+        else:
+            self._liveness_check()
 
     # --- control endpoints ---
 
@@ -173,11 +244,9 @@ class RPCClient:
     async def health(self, timeout: float = 5.0) -> dict[str, Any]:
         """``GET /health``; raises :class:`RPCConnectionError` when unreachable or unhealthy."""
         try:
-            response = await self._client().get("/health", timeout=timeout)
+            response = await self._send("GET", "/health", b"", timeout)
         except httpx.HTTPError as e:
             raise RPCConnectionError(f"worker {self.worker_id} at {self.address}: {e}") from e
-        except SignatureError as e:
-            raise self._unauthenticated("/health", e) from None
         if response.status_code == 401:
             raise RPCAuthenticationError(
                 f"worker {self.worker_id} at {self.address} refused our signature: "
@@ -288,9 +357,9 @@ class RPCClient:
         **kwargs: Any,
     ) -> Any:
         """``POST /call``: ``engine.method(*args, **kwargs)`` on the worker; its result."""
-        # encoded off the loop: a batch of tensors takes a while, and other calls go on
-        body = await asyncio.to_thread(
-            lambda: json_dumps(
+
+        def encode() -> bytes:
+            return json_dumps(
                 {
                     "method": method,
                     "engine_name": engine_name or self.worker_id,
@@ -299,10 +368,14 @@ class RPCClient:
                     "rpc_meta": rpc_meta,
                 }
             )
-        )
+
+        # a batch of tensors is encoded off the loop (it takes a while, and other calls go
+        # on); small arguments inline, saving a thread hop on every control call
+        heavy = _heavy(args) or _heavy(kwargs)
+        body = await asyncio.to_thread(encode) if heavy else encode()
         attempts = 0
 
-        async def attempt() -> httpx.Response:
+        async def attempt() -> Answer:
             nonlocal attempts
             attempts += 1
             await self._check_liveness()

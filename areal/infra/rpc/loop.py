@@ -1,7 +1,7 @@
 """The controller's one event loop for worker RPC, on a daemon thread.
 
 Every :class:`~areal.infra.rpc.client.RPCClient` keeps its connections (an
-``httpx.AsyncClient``) on this loop, so they are pooled and reused whoever calls, and a
+``aiohttp.ClientSession``) on this loop, so they are pooled and reused whoever calls, and a
 fan-out to many workers is one ``asyncio.gather`` here rather than a thread per call.
 Coroutines started on another loop are handed to this one (:func:`on_rpc_loop`);
 synchronous code enters through :func:`run_sync`, the one place where an RPC blocks.

@@ -62,6 +62,9 @@ class LocalScheduler(RPCWorkerScheduler):
     ``$CUDA_VISIBLE_DEVICES``, else every GPU torch sees).
     """
 
+    # a poll() of a child process or a kill(pid, 0): cheap enough for the RPC loop
+    liveness_check_blocks = False
+
     backend_name = "local scheduler"
     record_root_hint = "any local directory works"
 

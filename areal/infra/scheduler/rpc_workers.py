@@ -93,6 +93,9 @@ class RPCWorkerScheduler(Scheduler):
     engine's ``destroy`` RPC at teardown.
     """
 
+    #: whether checking a worker's process may block (a ``squeue``): then RPC clients run
+    #: the check off their event loop
+    liveness_check_blocks = True
     #: how the backend is named in messages ("local scheduler", "Slurm scheduler")
     backend_name = "scheduler"
     #: what ``cluster.name_resolve.nfs_record_root`` must be for this backend
@@ -362,6 +365,7 @@ class RPCWorkerScheduler(Scheduler):
             token=self.rpc_token,
             worker_id=h.id,
             liveness_check=lambda: self._check_alive(h),
+            liveness_check_blocks=self.liveness_check_blocks,
             secret_env=given,
             withheld_secrets=withheld,
         )

@@ -195,4 +195,7 @@ def test_a_slow_large_upload_does_not_hold_other_requests(server):
             assert ok.status_code == 200
             latencies.append(time.monotonic() - started)
     uploader.join()
-    assert len(latencies) >= 3 and max(latencies) < 0.5
+    # a held server answers once, after the upload (~0.8 s); a free one answers many times
+    # meanwhile. The median, not the max: one answer may meet a GC pause on a busy machine.
+    assert len(latencies) >= 3, latencies
+    assert sorted(latencies)[len(latencies) // 2] < 0.5, latencies

@@ -9,12 +9,12 @@ import hashlib
 import json
 from pathlib import Path
 
-import httpx
 import pytest
 
 from areal.api.cli_args import ClusterSpecConfig, NameResolveConfig, PPOConfig, SchedulingSpec
 from areal.api.engine_api import InferenceEngine, engine_interface
 from areal.api.scheduler_api import Job
+from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.secret_env import SECRET_ENV_PREFIX, config_secrets, secret_refs
 from areal.infra.rpc.serialization import (
     SerializationError,
@@ -123,21 +123,13 @@ def scheduler(tmp_path, monkeypatch):
 
 def test_the_admin_key_reaches_the_worker_but_no_request_body(scheduler, monkeypatch):
     bodies: list[bytes] = []
-    sync_send, async_send = httpx.Client.send, httpx.AsyncClient.send
+    send = RPCClient._send  # every request of the RPC client goes through it
 
-    def record(request: httpx.Request) -> None:
-        bodies.append(request.read())
+    async def spy_send(self, method, path, content, timeout):
+        bodies.append(content)
+        return await send(self, method, path, content, timeout)
 
-    def spy_send(self, request, **kwargs):
-        record(request)
-        return sync_send(self, request, **kwargs)
-
-    async def spy_async_send(self, request, **kwargs):
-        record(request)
-        return await async_send(self, request, **kwargs)
-
-    monkeypatch.setattr(httpx.Client, "send", spy_send)
-    monkeypatch.setattr(httpx.AsyncClient, "send", spy_async_send)
+    monkeypatch.setattr(RPCClient, "_send", spy_send)
 
     scheduler.create_workers(Job("rollout", 1, [SchedulingSpec(port_count=1)], secrets="rollout"))
     (worker,) = scheduler.get_workers("rollout", timeout=60.0)
