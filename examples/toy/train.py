@@ -13,6 +13,7 @@ from pathlib import Path
 
 from areal.api.cli_args import GRPOConfig, load_expr_config
 from areal.api.config.support import refuse_unsupported
+from areal.infra.workflow_paths import workflow_kind
 from areal.trainer.rl_trainer import PPOTrainer
 from examples.toy.token_reward import make_dataset
 
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     refuse_unsupported(config)  # before the model is built or any worker starts
     dataset, workflow, workflow_kwargs = build_inputs(config)
     valid, eval_workflow_kwargs = build_eval_inputs(config, workflow_kwargs)
+    workflow_kind(workflow)  # a workflow path that does not import: refused before workers
     with PPOTrainer(config, dataset, valid) as trainer:
         trainer.train(
             workflow,
