@@ -155,7 +155,13 @@ class RetryPolicy:
                 return result
         await sleep(self.delay(1))
         options = self._options(retry_on_exception, retry_on_result, before_attempt, on_retry)
-        return await tenacity.AsyncRetrying(sleep=sleep, **options)(fn)
+
+        async def attempt() -> T:
+            # a coroutine function, so every tenacity release awaits it (9.2 calls a plain
+            # callable, a lambda returning a coroutine, without awaiting its result)
+            return await fn()
+
+        return await tenacity.AsyncRetrying(sleep=sleep, **options)(attempt)
 
     def _again(
         self,

@@ -237,3 +237,27 @@ async def test_acall_returns_the_last_retried_result():
 
     policy = RetryPolicy(attempts=2)
     assert await policy.acall(fn, retry_on_result=lambda s: s == 429, sleep=no_wait) == 429
+
+
+async def test_acall_awaits_a_plain_callable_that_returns_a_coroutine():
+    """A lambda (not a coroutine function) returning a coroutine, as the clients pass: each
+    attempt's coroutine is awaited, on the first attempt and on tenacity's retries."""
+    calls = 0
+
+    async def connect(n: int) -> dict:
+        if n < 3:
+            raise ConnectionError(f"attempt {n}")
+        return {"session_id": "s-1"}
+
+    def fn():
+        nonlocal calls
+        calls += 1
+        return connect(calls)
+
+    async def no_wait(seconds: float) -> None:
+        pass
+
+    result = await RetryPolicy(attempts=4).acall(
+        lambda: fn(), retry_on_exception=is_os_error, sleep=no_wait
+    )
+    assert result == {"session_id": "s-1"} and calls == 3
