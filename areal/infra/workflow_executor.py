@@ -212,7 +212,7 @@ class WorkflowExecutor:
                     task.deadline_s,
                     DEADLINE_GRACE_S,
                 )
-                stats_tracker.get("rollout").scalar(**{"rollout/timed_out": 1.0})
+                stats_tracker.get("rollout").scalar(timed_out=1.0)
             trajectory = None
         except Exception:
             logger.exception("rollout task %d failed; it is rejected", task.task_id)
@@ -224,10 +224,7 @@ class WorkflowExecutor:
                 self.staleness.on_accept()
         # Always the "rollout" tracker, even for evaluation tasks.
         stats_tracker.get("rollout").scalar(
-            **{
-                "rollout/accepted": float(trajectory is not None),
-                "rollout/rejected": float(trajectory is None),
-            }
+            accepted=float(trajectory is not None), rejected=float(trajectory is None)
         )
         with self._cond:
             self._running.discard(task.task_id)

@@ -45,16 +45,18 @@ __all__ = [
 
 logger = logging.getLogger("proxy.chat")
 
-CONCAT_PREFIX_MISMATCH = "proxy/concat_prefix_mismatch"
+PROXY_TRACKER = "proxy"
+"""The stats tracker of the proxy's events: their keys are exported as ``proxy/<event>``."""
+CONCAT_PREFIX_MISMATCH = "concat_prefix_mismatch"
 """Children in concat mode whose re-rendered prompt did not extend the parent's tokens."""
-TEMPERATURE_MISMATCH = "proxy/sampling_temperature_mismatch"
+TEMPERATURE_MISMATCH = "sampling_temperature_mismatch"
 """Requests sampled at another temperature than ``actor.temperature``."""
 
 
-def count_event(key: str, happened: bool) -> None:
+def count_event(event: str, happened: bool) -> None:
     """Count one occurrence of an event (or a non-occurrence, so that the key still shows 0)
-    in the proxy's ``rollout`` stats; the step's total is summed over proxies."""
-    stats_tracker.get("rollout").denominator(**{key: torch.tensor([happened])})
+    as ``proxy/<event>``; the step's total is summed over proxies."""
+    stats_tracker.get(PROXY_TRACKER).denominator(**{event: torch.tensor([happened])})
 
 
 ALLOWED_ARGS = frozenset(
@@ -346,7 +348,7 @@ class ChatGenerator:
                 "temperature-mismatch",
                 f"a request samples at temperature {used} but actor.temperature is {expected}: "
                 "recomputed log-probs will not match the behaviour policy (counted in "
-                f"{TEMPERATURE_MISMATCH}; warned once)",
+                f"{PROXY_TRACKER}/{TEMPERATURE_MISMATCH}; warned once)",
                 once=True,
             )
 

@@ -72,7 +72,7 @@ from areal.proxy.adapters.protocols import (
     to_chat,
 )
 from areal.proxy.asgi import JSON, App, Endpoint, Request, Response, StreamingResponse
-from areal.proxy.chat import ChatGenerator
+from areal.proxy.chat import PROXY_TRACKER, ChatGenerator
 from areal.proxy.errors import ContextLengthExceededError, InvalidRequestError
 from areal.proxy.interaction import COLUMN_DTYPES, Interaction, PrefixMatcher
 from areal.proxy.keys import candidate_tokens, derive_gateway_key, same_secret, validate_admin_key
@@ -449,9 +449,10 @@ class ProxyServer:
         return response
 
     async def stats(self, request: Request) -> Response:
-        """This process's ``rollout`` metrics since the last call (and resets them)."""
+        """This process's ``proxy/*`` metrics since the last call (and resets them)."""
         self._require_admin(request)
-        return json_response({"stats": stats_tracker.get("rollout").export(mergeable=True)})
+        stats = stats_tracker.get(PROXY_TRACKER).export(mergeable=True)
+        return json_response({"stats": stats})
 
     # --- generation ---
 

@@ -7,7 +7,13 @@ rejects; otherwise the agent's ``classify_proxy_failure`` decides. A rejected sa
 (or, when the agent's ``should_reject_failed_sample`` says so, is dropped alone); a model
 failure, or any episode in which the proxy saw a context overflow, trains with reward 0 on
 the interactions it has. An empty export yields no trajectory. After a usable export the
-last interaction's reward and the episode's turn count are recorded.
+last interaction's reward and the episode's turn count are recorded, and then
+:meth:`OpenAIProxyWorkflow.record_episode_metrics` runs (a subclass may override it).
+Metrics go to the tracker named by the workflow context's stats scope (``rollout`` or
+``eval-rollout``), whose name prefixes their keys.
+
+The workflow is built without a proxy address where the address is only known later
+(a rollout worker fills it in); running an episode without one is an error.
 
 A failing agent hook that decides the sample's reward, disposition or export rejects the
 sample (:class:`~areal.proxy.hooks.AgentHookError`), counted as
@@ -33,7 +39,12 @@ from areal.proxy.keys import derive_gateway_key, derive_session_token
 from areal.utils import logging, stats_tracker
 from areal.utils.secrets import SecretStr, reveal
 
-__all__ = ["HARNESS_OUTCOME_METRIC_CODES", "OpenAIProxyWorkflow", "record_interaction_stats"]
+__all__ = [
+    "HARNESS_OUTCOME_METRIC_CODES",
+    "OpenAIProxyWorkflow",
+    "harness_flags",
+    "record_interaction_stats",
+]
 
 logger = logging.getLogger("proxy.workflow")
 
@@ -47,6 +58,8 @@ HARNESS_OUTCOME_METRIC_CODES = frozenset(
         "LLM_RESPONSE_TIMEOUT",
     }
 )
+SYNC_METRICS_HOOKS = ("record_episode_metrics", "record_group_metrics")
+"""Agent hooks the workflow calls synchronously (``def``, not ``async def``)."""
 DISPOSITIONS: tuple[FailureDisposition, ...] = (
     "model_failure_zero",
     "system_failure_reject",
@@ -86,37 +99,59 @@ def _num_turns(interaction: Any) -> int | None:
         return None
 
 
-def record_interaction_stats(exported: Mapping[str, Any], scope: str) -> None:
-    """The last exported interaction's ``reward`` (when set) and the episode's turn counts.
+def harness_flags(exported: Mapping[str, Any]) -> tuple[bool, str | None]:
+    """``(harness_error, harness_outcome_code)`` of an episode, from its last exported
+    interaction's metadata: a harness error is an ``arena_status`` of ``HARNESS_FAILED``."""
+    if not exported:
+        return False, None
+    metadata = getattr(list(exported.values())[-1], "metadata", None) or {}
+    code = metadata.get("harness_outcome_code")
+    return (
+        metadata.get("arena_status") == "HARNESS_FAILED",
+        code if isinstance(code, str) else None,
+    )
+
+
+def record_interaction_stats(
+    exported: Mapping[str, Any],
+    scope: str,
+    harness_error: bool | None = None,
+    harness_outcome_code: str | None = None,
+) -> None:
+    """The last exported interaction's ``reward`` (when set) and the episode's turn counts,
+    in the tracker ``scope`` (``rollout``/``eval-rollout``).
 
     ``num_turns`` counts the turns of the last interaction (a ``concat`` export holds the
     whole episode, an ``individual`` one its final sequence). Each metric ``M`` records one
     sample with a boolean denominator ``M_count``: ``num_turns`` always counts,
     ``num_turns_no_harness_err`` only when the episode is no harness error (its value is
     recorded masked out otherwise), ``num_turns_harness_err`` and
-    ``num_turns_harness_err/<bucket>`` are recorded only for ``HARNESS_FAILED`` episodes.
+    ``num_turns_harness_err/<bucket>`` are recorded only for harness-error episodes, the
+    bucket being the outcome code when it is one of :data:`HARNESS_OUTCOME_METRIC_CODES`,
+    else ``OTHER``. With ``harness_error`` left ``None`` both flags are read from the
+    export (:func:`harness_flags`).
     """
     if not exported:
         return
-    tracker = stats_tracker.get("rollout")
+    if harness_error is None:
+        harness_error, harness_outcome_code = harness_flags(exported)
+    tracker = stats_tracker.get(scope)
     last = list(exported.values())[-1]
     if last.reward is not None:
-        tracker.scalar(**{f"{scope}/reward": float(last.reward)})
+        tracker.scalar(reward=float(last.reward))
     num_turns = _num_turns(last)
     if num_turns is None:
         return
-    metadata = getattr(last, "metadata", None) or {}
-    harness_error = metadata.get("arena_status") == "HARNESS_FAILED"
-    code = metadata.get("harness_outcome_code")
-    bucket = code if isinstance(code, str) and code in HARNESS_OUTCOME_METRIC_CODES else "OTHER"
+    code = harness_outcome_code
+    bucket = code if code in HARNESS_OUTCOME_METRIC_CODES else "OTHER"
     metrics = {"num_turns": True, "num_turns_no_harness_err": not harness_error}
     if harness_error:
         metrics.update({"num_turns_harness_err": True, f"num_turns_harness_err/{bucket}": True})
     value = torch.tensor([float(num_turns)])
     for name, counted in metrics.items():
-        denominator = f"{scope}/{name}_count"
+        denominator = f"{name}_count"
         tracker.denominator(**{denominator: torch.tensor([counted])})
-        tracker.stat(denominator=denominator, **{f"{scope}/{name}": value})
+        tracker.stat(denominator=denominator, **{name: value})
 
 
 class OpenAIProxyWorkflow(RolloutWorkflow):
@@ -139,10 +174,14 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         run = getattr(agent, "run", None)
         if run is None or not inspect.iscoroutinefunction(run):
             raise TypeError(f"{type(agent).__name__}.run must be an 'async def' method")
-        if not proxy_addr:
-            raise ValueError("an agent workflow needs the proxy address (proxy_addr)")
+        for name in SYNC_METRICS_HOOKS:
+            if inspect.iscoroutinefunction(getattr(agent, name, None)):
+                raise TypeError(
+                    f"{type(agent).__name__}.{name} must be a plain 'def' method: the "
+                    "workflow calls it synchronously"
+                )
         self.agent = agent
-        self.proxy_addr = proxy_addr.rstrip("/")
+        self.proxy_addr = proxy_addr.rstrip("/") if proxy_addr else None
         self.admin_api_key = SecretStr(reveal(admin_api_key))
         self.discount = discount
         self.export_style = export_style
@@ -187,11 +226,44 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             raise AgentHookError(name, ValueError(f"it returned {answer!r}, {problem}"))
         return answer
 
-    async def record_group_metrics(
+    def _observe_sync(self, name: str, *args: Any) -> None:
+        """A synchronous metrics hook: a failure is logged, and the sample goes on."""
+        hook = self._hook(name)
+        if hook is None:
+            return
+        try:
+            hook(*args)
+        except Exception:
+            logger.exception("agent hook %s failed (it only observes; the sample goes on)", name)
+
+    def record_episode_metrics(self, data: dict[str, Any], reward: float | None) -> None:
+        """The agent's ``record_episode_metrics(data, reward)`` hook, after a usable export.
+
+        Nothing when ``reward`` is None. The workflow calls this method itself, so a
+        subclass overriding it changes what every episode records.
+        """
+        if reward is None:
+            return
+        self._observe_sync("record_episode_metrics", data, reward)
+
+    def record_group_metrics(
         self, data: dict[str, Any], rewards: list[float | None], group_size: int
     ) -> None:
-        """The agent's ``record_group_metrics`` hook (e.g. pass@k), called by the group."""
-        await self._observe("record_group_metrics", data, rewards, group_size)
+        """The agent's ``record_group_metrics`` hook (e.g. pass@k), called once per group
+        with every sample's reward (``None`` for a failed one)."""
+        self._observe_sync("record_group_metrics", data, rewards, group_size)
+
+    def _record_interaction_stats(
+        self,
+        exported: Mapping[str, Any],
+        harness_error: bool,
+        harness_outcome_code: str | None,
+    ) -> None:
+        """The episode's reward and turn counts (:func:`record_interaction_stats`) in the
+        current stats scope; the harness flags say which turn-count buckets it joins."""
+        record_interaction_stats(
+            exported, workflow_context.stat_scope(), harness_error, harness_outcome_code
+        )
 
     async def _assign_reward(self, client: OpenAIProxyClient, key: str, reward: Any) -> None:
         from areal.proxy.client import ProxyError
@@ -233,14 +305,18 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
             return await self._run_episode(engine, data)
         except AgentHookError as e:
             # counted by reason; the raise rejects the sample as any other failure does
-            scope = workflow_context.stat_scope()
-            stats_tracker.get("rollout").denominator(
-                **{f"{scope}/rejected/hook_failed/{e.hook}": torch.tensor([True])}
+            stats_tracker.get(workflow_context.stat_scope()).denominator(
+                **{f"rejected/hook_failed/{e.hook}": torch.tensor([True])}
             )
             await self._observe("persist_episode_result", data, None)
             raise
 
     async def _run_episode(self, engine: Any, data: dict[str, Any]) -> Any:
+        if not self.proxy_addr:
+            raise ValueError(
+                "the agent workflow has no proxy address: set proxy_addr (a rollout worker "
+                "sets it to its proxy's address) before running episodes"
+            )
         context = workflow_context.get()
         task_id = (
             str(context.task_id)
@@ -277,12 +353,8 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         overflow = bool(diagnostics.get("context_overflow"))
         system_error = bool(diagnostics.get("system_error"))
         interaction_count = int(diagnostics.get("interaction_count", 0))
-        scope = workflow_context.stat_scope()
-        stats_tracker.get("rollout").scalar(
-            **{
-                f"{scope}/context_overflow": float(overflow),
-                f"{scope}/proxy_system_error": float(system_error),
-            }
+        stats_tracker.get(workflow_context.stat_scope()).scalar(
+            context_overflow=float(overflow), proxy_system_error=float(system_error)
         )
 
         # --- failure disposition ---
@@ -363,8 +435,11 @@ class OpenAIProxyWorkflow(RolloutWorkflow):
         final_reward = list(exported.values())[-1].reward
         final_reward = None if final_reward is None else float(final_reward)
         await self._observe("persist_episode_result", data, final_reward)
-        record_interaction_stats(exported, scope)
-        await self._observe("record_episode_metrics", data, final_reward)
+        try:
+            self._record_interaction_stats(exported, *harness_flags(exported))
+            self.record_episode_metrics(data, final_reward)
+        except Exception:  # metrics only observe: the trained sample stands
+            logger.exception("recording the metrics of session %s failed", session_id)
         return exported
 
     async def _end_quietly(self, client: OpenAIProxyClient, key: str) -> None:

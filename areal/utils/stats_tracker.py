@@ -9,10 +9,14 @@ Record kinds:
   (the count lets rollout-worker stats be merged as a count-weighted mean).
 * ``record_timing(key)``: a context manager recording seconds under ``timeperf/<key>``.
 
-Keys are prefixed by the active scopes (``with scope("rollout"): scalar(reward=1.0)``
-records ``rollout/reward``). The scope stack lives in a context variable, so concurrent
-asyncio tasks each keep their own. Trackers are named (``get("rollout")``); the module
-functions use the default tracker ``""``.
+Keys are prefixed by the tracker's name, then by the active scopes: a named tracker
+records under its name (``get("rollout").scalar(reward=1.0)`` exports ``rollout/reward``,
+``get(workflow_context.stat_scope())`` records under ``rollout/`` or ``eval-rollout/``),
+and ``with scope("a"): scalar(reward=1.0)`` on the default tracker ``""`` (the module
+functions) records ``a/reward``. The scope stack lives in a context variable, so
+concurrent asyncio tasks each keep their own. A rollout worker exports every tracker
+(:func:`export_all`), so whatever a workflow records in any named tracker reaches the
+trainer's stats.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ class StatsTracker:
     """One named tracker; see the module docstring for the record kinds."""
 
     def __init__(self, name: str = ""):
-        self.name = name
+        self.name = name.strip("/")
+        self._prefix: tuple[str, ...] = (self.name,) if self.name else ()
         self._scopes: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar(
             f"stats_scopes_{name}_{id(self)}", default=()
         )
@@ -107,7 +112,7 @@ class StatsTracker:
         return _Scope(self, name)
 
     def _key(self, key: str) -> str:
-        return "/".join((*self._scopes.get(), key))
+        return "/".join((*self._prefix, *self._scopes.get(), key))
 
     def _record(self, key: str, kind: ReduceType, value: Any) -> None:
         previous = self._kinds.setdefault(key, kind)
@@ -156,13 +161,15 @@ class StatsTracker:
 
     @contextmanager
     def record_timing(self, key: str) -> Iterator[None]:
-        """Record the block's wall time in seconds as ``timeperf/<key>``."""
+        """Record the block's wall time in seconds as ``timeperf/<key>`` (under the
+        tracker's name, not under the active scopes)."""
         start = time.perf_counter()
         try:
             yield
         finally:
+            full = "/".join((*self._prefix, "timeperf", key))
             with self._lock:
-                self._record(f"timeperf/{key}", ReduceType.SCALAR, time.perf_counter() - start)
+                self._record(full, ReduceType.SCALAR, time.perf_counter() - start)
 
     # --- export ---
 
@@ -274,13 +281,15 @@ def get(name: str = "") -> StatsTracker:
         return _trackers[name]
 
 
-def export_all(reduce_group: Any = None, reset: bool = True) -> dict[str, float]:
-    """Export every tracker into one dict."""
+def export_all(
+    reduce_group: Any = None, reset: bool = True, mergeable: bool = False
+) -> dict[str, float]:
+    """Export every tracker into one dict (named trackers' keys carry their names)."""
     with _trackers_lock:
         trackers = list(_trackers.values())
     result: dict[str, float] = {}
     for tracker in trackers:
-        result.update(tracker.export(reduce_group=reduce_group, reset=reset))
+        result.update(tracker.export(reduce_group=reduce_group, reset=reset, mergeable=mergeable))
     return result
 
 

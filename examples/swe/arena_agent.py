@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from areal.utils import logging
+from areal.utils.dynamic_import import import_from_string
 from areal.utils.secrets import redact_url, reveal
 from examples.swe.arena_agent_common import bounded, clean_text, scrub_secrets
 from examples.swe.arena_agent_hooks import ArenaAgentHooks, ArenaEpisode
@@ -58,12 +59,15 @@ from examples.swe.arena_routes import (
 )
 from examples.swe.arena_types import ArenaStreamConfig
 
-# The session-registry names are re-exported: callers and tests import them from here.
+# The session-registry names and the dotted-path importer are re-exported: callers import
+# them from here, and the agent resolves dotted paths through this module's
+# ``import_from_string``, so patching it here changes what the agent imports.
 __all__ = [
     "SESSION_REGISTRY_ATTR",
     "SESSION_REGISTRY_CALLBACK_KEY",
     "ArenaStreamAgentWorkflow",
     "harness_outcome_code",
+    "import_from_string",
 ]
 
 logger = logging.getLogger("arena.agent")
@@ -156,6 +160,11 @@ class ArenaStreamAgentWorkflow(ArenaAgentHooks):
                 f"got {mode!r}"
             )
         streams = load_arena_stream_configs(econfig)
+        transforms = {  # resolved eagerly: a bad path fails at construction, not mid-run
+            s.name: import_from_string(s.reward_transform_fn)
+            for s in streams
+            if s.reward_transform_fn
+        }
         max_bytes = _setting(econfig, "arena_result_dump_max_bytes", 1_000_000)
         if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes <= 0:
             raise ValueError(
@@ -163,6 +172,7 @@ class ArenaStreamAgentWorkflow(ArenaAgentHooks):
             )
         super().__init__(
             streams=streams,
+            transforms=transforms,
             gen_args=gen_args or {},
             reject_terminal_task_failures=reject_terminal_task_failures,
             result_dump_dir=clean_text(_setting(econfig, "arena_result_dump_dir", "")),
@@ -302,7 +312,7 @@ class ArenaStreamAgentWorkflow(ArenaAgentHooks):
         try:
             live = await bounded(
                 self.client.resolve_stream_async(
-                    stream_id=launch.stream_id, client=launch.http, timeout=self.request_timeout
+                    launch.stream_id, client=launch.http, timeout=self.request_timeout
                 ),
                 self.request_timeout,
             )
@@ -335,10 +345,10 @@ class ArenaStreamAgentWorkflow(ArenaAgentHooks):
             launch.key = self.client.llm_gateway_api_key
             renewal = asyncio.create_task(
                 renew_gateway_route(
-                    self.client,
-                    launch.http,
                     launch.model_name,
-                    lambda: self._register_gateway_route(launch),
+                    client=self.client,
+                    http=launch.http,
+                    reregister=lambda: self._register_gateway_route(launch),
                     interval=self.registration_probe_interval,
                     timeout=self.registration_timeout,
                     secret_values=launch.secrets(),
@@ -473,12 +483,16 @@ class ArenaStreamAgentWorkflow(ArenaAgentHooks):
             task_id = accepted[0] if accepted else None
             if task_id:
                 await self._dump_local_status(launch, task_id, "LOCAL_WAIT_TIMEOUT")
-            message = (
+            logger.warning(  # key=value, one line: log searches match on the fields
+                "arena task timed out: task_id=%s data_id=%s timeout_s=%s",
+                task_id or "unknown",
+                launch.data_id,
+                self.timeout,
+            )
+            raise TimeoutError(
                 f"Arena task {task_id or 'unknown'} for data {launch.data_id} did not finish "
                 f"within the episode timeout of {self.timeout:g}s"
-            )
-            logger.warning(message)
-            raise TimeoutError(message) from error
+            ) from error
         except Exception:
             record_unfinished()
             raise

@@ -11,7 +11,6 @@ threshold) lives here too, since pass@k needs to know when a reward counts as so
 from __future__ import annotations
 
 import contextvars
-import importlib
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from examples.swe.arena_metrics import (
 from examples.swe.arena_results import SUCCESS_TASK_STATUSES, ArenaTaskResult
 from examples.swe.arena_types import ArenaStreamConfig
 
-__all__ = ["ArenaAgentHooks", "ArenaEpisode", "import_transform"]
+__all__ = ["ArenaAgentHooks", "ArenaEpisode"]
 
 logger = logging.getLogger("arena.agent")
 
@@ -50,7 +49,9 @@ class ArenaAgentHooks:
     """The optional proxy-workflow hooks of the Arena agent, and the episode state they read.
 
     Args:
-        streams: the configured Streams (a row names one, or the only one is used).
+        streams: the configured Streams (a row names one, or the only one is used); kept
+            by name in ``stream_configs``.
+        transforms: the reward transform of each Stream that has one, by Stream name.
         gen_args: sampling arguments, attached to each proxy session as metadata.
         reject_terminal_task_failures: see :meth:`should_reject_failed_sample`.
         result_dump_dir: where audit shards go (empty: no audit records).
@@ -60,6 +61,7 @@ class ArenaAgentHooks:
     def __init__(
         self,
         streams: list[ArenaStreamConfig],
+        transforms: Mapping[str, Callable[..., float]],
         gen_args: Mapping[str, Any],
         reject_terminal_task_failures: bool,
         result_dump_dir: str,
@@ -67,13 +69,9 @@ class ArenaAgentHooks:
     ):
         self.gen_args = dict(gen_args)
         self.reject_terminal_task_failures = bool(reject_terminal_task_failures)
-        self.streams = {stream.name: stream for stream in streams}
+        self.stream_configs = {stream.name: stream for stream in streams}
         self.default_stream_name = streams[0].name if len(streams) == 1 else None
-        self._transforms = {
-            s.name: import_transform(s.reward_transform_fn)
-            for s in streams
-            if s.reward_transform_fn
-        }
+        self._transforms = dict(transforms)
         self.result_dump_dir = result_dump_dir
         self.result_dump_max_bytes = result_dump_max_bytes
         self._audit = AuditShardWriter(result_dump_dir, result_dump_max_bytes)
@@ -87,11 +85,10 @@ class ArenaAgentHooks:
         name = clean_text(data.get("arena_stream_name")) or self.default_stream_name
         if not name:
             raise ValueError("arena_stream_name is required for a multi-Stream run")
-        stream = self.streams.get(name)
+        stream = self.stream_configs.get(name)
         if stream is None:
-            raise ValueError(
-                f"unknown Arena Stream {name!r}; configured: {', '.join(sorted(self.streams))}"
-            )
+            configured = ", ".join(sorted(self.stream_configs))
+            raise ValueError(f"unknown Arena Stream {name!r}; configured: {configured}")
         return stream
 
     def _transform_reward(
@@ -129,7 +126,7 @@ class ArenaAgentHooks:
 
     def _stream_or_none(self, data: Mapping[str, Any]) -> ArenaStreamConfig | None:
         name = clean_text(data.get("arena_stream_name")) or self.default_stream_name
-        return self.streams.get(name) if name else None
+        return self.stream_configs.get(name) if name else None
 
     # --- hooks called by the proxy workflow ---
 
@@ -251,29 +248,34 @@ class ArenaAgentHooks:
         *,
         training_score: float | None,
     ) -> None:
-        """Append one audit record (at most one per episode); never raises."""
+        """Audit one task outcome (at most once per episode) through
+        :meth:`_dump_task_result`; never raises."""
         episode.dumped = True
-        if not self.result_dump_dir:
-            return
         try:
-            record = audit_record(
-                self._stream_for(data),
-                data,
-                result,
-                training_score,
-                self._identity(episode, result),
+            await self._dump_task_result(
+                data, self._stream_for(data), result, training_score=training_score
             )
-            await self._audit.append(record, result.raw)
         except Exception as e:
             record_arena_scalars(result_dump_success=0.0)
             logger.warning("could not write the Arena audit record of %s: %s", result.task_id, e)
-        else:
-            record_arena_scalars(result_dump_success=1.0)
 
+    async def _dump_task_result(
+        self,
+        data: Mapping[str, Any],
+        stream_config: ArenaStreamConfig,
+        result: ArenaTaskResult,
+        *,
+        training_score: float | None,
+    ) -> None:
+        """Append the audit record of one task result to this process's shard.
 
-def import_transform(path: str) -> Callable[..., float]:
-    """``package.module.attribute`` -> the attribute (import errors propagate)."""
-    module_name, _, attribute = path.rpartition(".")
-    if not module_name or not attribute:
-        raise ValueError(f"reward_transform_fn {path!r} must be a dotted 'module.function' path")
-    return getattr(importlib.import_module(module_name), attribute)
+        Every audit write of the agent goes through here (called with the episode's context
+        set), so a subclass or a patch can send results elsewhere. Without
+        ``result_dump_dir`` nothing is written.
+        """
+        if not self.result_dump_dir:
+            return
+        identity = self._identity(self._current_episode(), result)
+        record = audit_record(stream_config, data, result, training_score, identity)
+        await self._audit.append(record, result.raw)
+        record_arena_scalars(result_dump_success=1.0)

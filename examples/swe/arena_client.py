@@ -26,7 +26,9 @@ E11   PATCH   /openapi/v1/llm/models/{model_name}               :meth:`renew_llm
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
@@ -111,6 +113,19 @@ def _unwrap_data(payload: Any, what: str) -> Any:
     return _object(payload, what).get("data", payload)
 
 
+# The default waits between retries and polls look ``time`` and ``asyncio`` up on this
+# module at each call, so patching ``arena_client.time`` / ``arena_client.asyncio`` in a
+# test takes effect on clients that already exist.
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+async def _async_sleep(seconds: float) -> None:
+    await asyncio.sleep(seconds)
+
+
 class ArenaOpenAPIClient:
     """Arena control-plane client (see the module docstring for the endpoints)."""
 
@@ -156,8 +171,8 @@ class ArenaOpenAPIClient:
             max_connections=max_connections,
             transport=transport,
             async_transport=async_transport,
-            sleep=sleep,
-            async_sleep=async_sleep,
+            sleep=sleep or _sleep,
+            async_sleep=async_sleep or _async_sleep,
             secrets=(self._llm_api_key,),
         )
 

@@ -17,16 +17,14 @@ __all__ = ["record_arena_scalars", "record_episode_scores", "record_group_pass_r
 
 def record_arena_scalars(**values: float) -> None:
     """Record ``arena/<name>`` scalars in the current scope (``rollout``/``eval-rollout``)."""
-    scope = workflow_context.stat_scope()
-    stats_tracker.get("rollout").scalar(
-        **{f"{scope}/arena/{name}": float(value) for name, value in values.items()}
+    stats_tracker.get(workflow_context.stat_scope()).scalar(
+        **{f"arena/{name}": float(value) for name, value in values.items()}
     )
 
 
 def _record_scoped(values: Mapping[str, float]) -> None:
-    scope = workflow_context.stat_scope()
-    stats_tracker.get("rollout").scalar(
-        **{f"{scope}/{key}": float(value) for key, value in values.items()}
+    stats_tracker.get(workflow_context.stat_scope()).scalar(
+        **{key: float(value) for key, value in values.items()}
     )
 
 
@@ -74,7 +72,8 @@ def record_episode_scores(
             values[f"stream/{stream.name}/arena_score"] = score
         data_id = clean_text(data.get("data_id"))
         if data_id:
-            stats_tracker.get("rollout").scalar(**{f"debug/task/{data_id}/raw_reward": score})
+            # unscoped (the default tracker): one key per task, whichever the scope
+            stats_tracker.get().scalar(**{f"debug/task/{data_id}/raw_reward": score})
     if reward is not None:
         values[f"{task_type}/reward"] = reward
         values[f"domain/{task_type}/reward"] = reward

@@ -13,6 +13,10 @@ sent for the Streams after it.
 On success the JSON report goes to stdout (exit 0) and a summary table to stderr. Usage
 errors exit 2; any failed check, bad config or HTTP error prints one error line and exits
 1 with nothing on stdout. Task env values are never printed, only their names.
+
+Tools and tests written for the reference Arena suite import or patch :func:`_arena_json`
+(every Arena call, named by a command-style argument list), :func:`_recent_health`, and this
+module's ``time`` and ``httpx``; so each of these is looked up when a call runs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -40,19 +45,24 @@ __all__ = ["PreflightHTTP", "check_stream", "main", "normalize_api_base", "valid
 API_SUFFIX = "/openapi/v1"
 DEFAULT_HTTP_TIMEOUT = 180.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
-# logical operation -> (method, path template, default query parameters)
-OPERATIONS: dict[str, tuple[str, str, dict[str, int]]] = {
-    "stream": ("GET", "/streams/{stream_id}", {}),
-    "harness_version": ("GET", "/harnesses/{key}/versions/{version}", {}),
-    "stream_dataset": ("POST", "/streams/{stream_id}/dataset", {"limit": 1, "offset": 0}),
-    "stream_tasks": ("GET", "/streams/{stream_id}/tasks", {"limit": 100, "offset": 0}),
-}
+ARENA_COMMANDS = (
+    "stream get ID",
+    "harness version-get KEY VERSION",
+    "stream dataset ID --limit N",
+    "stream tasks ID --limit N --offset M",
+)
 
 
 def normalize_api_base(base_url: str) -> str:
     """``https://x``, ``https://x/`` and ``https://x/openapi/v1/`` all give ``https://x/openapi/v1``."""
     base = base_url.strip().rstrip("/")
     return base if base.endswith(API_SUFFIX) else base + API_SUFFIX
+
+
+def _api_base(base_url: str) -> str:
+    """The checked, normalized API root (errors show the URL without its secret parts)."""
+    check_http_url(base_url.strip().rstrip("/"), "Arena base URL", "--base-url")
+    return normalize_api_base(base_url)
 
 
 def _float_env(name: str, default: float) -> float:
@@ -65,11 +75,90 @@ def _float_env(name: str, default: float) -> float:
         raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
 
 
-class PreflightHTTP:
-    """The four read-only preflight operations over one shared, proxy-free HTTP client.
+def _openapi_token() -> SecretStr:
+    token = os.environ.get("ARENA_OPENAPI_TOKEN", "").strip()
+    if not token:
+        raise ArenaAPIError("ARENA_OPENAPI_TOKEN is required for Arena preflight")
+    try:
+        refuse_printed_form(token, "ARENA_OPENAPI_TOKEN")
+    except ValueError as e:
+        raise ArenaAPIError(str(e)) from None
+    return SecretStr(token)
 
-    The bearer token (``ARENA_OPENAPI_TOKEN``) is read when the first request is about to
-    be sent. ``transport`` and ``sleep`` let tests run without a network.
+
+# --- one Arena call ---
+
+
+def _are_counts(*words: str) -> bool:
+    return all(word.isascii() and word.isdigit() for word in words)
+
+
+def _arena_request(args: Sequence[Any]) -> ArenaRequest:
+    """The OpenAPI request named by a command-style argument list (one of ``ARENA_COMMANDS``).
+
+    The dataset probe is a POST with no body; its window travels in the query, from offset 0.
+    """
+    words = [str(a) for a in args]
+    if "" not in words:  # an empty path segment would name another endpoint
+        match words:
+            case ["stream", "get", sid]:
+                return ArenaRequest("GET", f"/streams/{encode_path(sid)}")
+            case ["harness", "version-get", key, version]:
+                path = f"/harnesses/{encode_path(key)}/versions/{encode_path(version)}"
+                return ArenaRequest("GET", path)
+            case ["stream", "dataset", sid, "--limit", n] if _are_counts(n):
+                query = {"limit": n, "offset": "0"}
+                return ArenaRequest("POST", f"/streams/{encode_path(sid)}/dataset", query)
+            case ["stream", "tasks", sid, "--limit", n, "--offset", m] if _are_counts(n, m):
+                query = {"limit": n, "offset": m}
+                return ArenaRequest("GET", f"/streams/{encode_path(sid)}/tasks", query)
+    raise ValueError(
+        f"unknown Arena command {words!r}; expected one of: {'; '.join(ARENA_COMMANDS)} "
+        "(non-empty names, N and M non-negative integers)"
+    )
+
+
+def _arena_json(
+    base_url: str, args: Sequence[Any], *, retries: int, client: httpx.Client | None = None
+) -> Any:
+    """One Arena OpenAPI call named by a command-style argument list; its parsed JSON.
+
+    ``args`` is one of ``ARENA_COMMANDS`` (:func:`_arena_request` maps each to its endpoint
+    under ``base_url``'s ``/openapi/v1``); the bearer token is ``ARENA_OPENAPI_TOKEN``. A
+    transport error, HTTP 429, 5xx or the gateway's transient 403 is retried up to
+    ``retries`` more times, sleeping 1, 2, 4, 8, 10... s through this module's ``time.sleep``;
+    the last error is raised as ``ArenaAPIError`` naming the method, path and status, never
+    the token. Without ``client``, a proxy-free ``httpx.Client`` is opened for this one call
+    (timeouts from ``ARENA_PREFLIGHT_*_TIMEOUT``) and closed after it.
+    """
+    request = _arena_request(args)
+    http = ArenaTransport(
+        _api_base(base_url),
+        _openapi_token(),
+        retries=retries,
+        trust_env=False,
+        sleep=time.sleep,  # this module's `time`, looked up per call: tools patch it
+        error_label="Arena preflight",
+    )
+    own_client = client is None
+    if client is None:
+        timeout = httpx.Timeout(
+            _float_env("ARENA_PREFLIGHT_HTTP_TIMEOUT", DEFAULT_HTTP_TIMEOUT),
+            connect=_float_env("ARENA_PREFLIGHT_CONNECT_TIMEOUT", DEFAULT_CONNECT_TIMEOUT),
+        )
+        client = httpx.Client(timeout=timeout, trust_env=False, follow_redirects=False)
+    try:
+        return http.read_json(http.send(request, client), request)
+    finally:
+        if own_client:
+            client.close()
+
+
+class PreflightHTTP:
+    """One preflight run's way to Arena: its API root, retries and one shared, proxy-free
+    ``httpx.Client`` that every :func:`_arena_json` call reuses.
+
+    ``transport`` lets tests run without a network.
     """
 
     def __init__(
@@ -80,58 +169,29 @@ class PreflightHTTP:
         timeout: float = DEFAULT_HTTP_TIMEOUT,
         connect_timeout: float = DEFAULT_CONNECT_TIMEOUT,
         transport: httpx.BaseTransport | None = None,
-        sleep: Callable[[float], None] | None = None,
     ):
-        check_http_url(base_url.strip().rstrip("/"), "Arena base URL", "--base-url")
-        self.api_base = normalize_api_base(base_url)
-        self._retries = retries
-        self._timeout = httpx.Timeout(timeout, connect=connect_timeout)
-        self._transport = transport
-        self._sleep = sleep
-        self._http: ArenaTransport | None = None
+        self.api_base = _api_base(base_url)
+        self.retries = retries
+        self.client = httpx.Client(
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            trust_env=False,
+            transport=transport,
+            follow_redirects=False,
+        )
 
-    def _client(self) -> ArenaTransport:
-        if self._http is None:
-            token = os.environ.get("ARENA_OPENAPI_TOKEN", "").strip()
-            if not token:
-                raise ArenaAPIError("ARENA_OPENAPI_TOKEN is required for Arena preflight")
-            try:
-                refuse_printed_form(token, "ARENA_OPENAPI_TOKEN")
-            except ValueError as e:
-                raise ArenaAPIError(str(e)) from None
-            self._http = ArenaTransport(
-                self.api_base,
-                SecretStr(token),
-                retries=self._retries,
-                timeout=self._timeout,
-                trust_env=False,
-                transport=self._transport,
-                sleep=self._sleep,
-                error_label="Arena preflight",
-            )
-        return self._http
-
-    def request(self, operation: str, **params: Any) -> Any:
-        """Run one operation; returns the response's ``data`` member (or the whole object)."""
-        if operation not in OPERATIONS:
-            raise ValueError(f"unknown preflight operation {operation!r}")
-        method, template, defaults = OPERATIONS[operation]
-        path_args = {
-            k: encode_path(params.pop(k)) for k in list(params) if "{" + k + "}" in template
-        }
-        query = {k: str(params.pop(k, v)) for k, v in defaults.items()}
-        if params:
-            raise ValueError(f"unexpected parameters for {operation}: {sorted(params)}")
-        request = ArenaRequest(method, template.format(**path_args), params=query or None)
-        http = self._client()
-        payload = http.read_json(http.send(request), request)
+    def data(self, args: Sequence[Any]) -> Any:
+        """Run one command (see ``ARENA_COMMANDS``); the response's ``data`` member, or the
+        whole response when it has none. The response must be a JSON object."""
+        payload = _arena_json(self.api_base, args, retries=self.retries, client=self.client)
         if not isinstance(payload, dict):
-            raise ArenaAPIError(f"Arena preflight {method} {request.path} did not return an object")
+            request = _arena_request(args)
+            raise ArenaAPIError(
+                f"Arena preflight {request.method} {request.path} did not return an object"
+            )
         return payload.get("data", payload)
 
     def close(self) -> None:
-        if self._http is not None:
-            self._http.close()
+        self.client.close()
 
 
 # --- one Stream ---
@@ -178,21 +238,43 @@ def _ref_of(task: Mapping[str, Any], field: str) -> tuple[Any, Any] | None:
     return (ref.get("key"), ref.get("version")) if isinstance(ref, Mapping) else None
 
 
-def recent_health(
-    data: Any, harness: tuple[str, str], reward_ref: tuple[str, str]
-) -> tuple[int, int, float]:
-    """``(terminal, failures, failure_rate)`` over tasks of exactly this Harness and grader."""
-    rows = data.get("items", []) if isinstance(data, Mapping) else data
-    if not isinstance(rows, list):
-        rows = []
+def _ref_pair(ref: Any, what: str) -> tuple[Any, Any]:
+    """``(key, version)`` of a ``key@version`` string, a ``{"key", "version"}`` mapping, an
+    object with ``key`` and ``version`` attributes or a pair; ``("", "")`` for ``None``."""
+    if ref is None:
+        return "", ""
+    if isinstance(ref, str):
+        key, _, version = ref.partition("@")
+        return key, version
+    if isinstance(ref, Mapping):
+        return ref.get("key"), ref.get("version")
+    if isinstance(ref, (tuple, list)) and len(ref) == 2:
+        return ref[0], ref[1]
+    if hasattr(ref, "key") and hasattr(ref, "version"):
+        return ref.key, ref.version
+    raise TypeError(f"{what} must be key@version, a key/version mapping or a pair, got {ref!r}")
+
+
+def _recent_health(rows: Iterable[Any], *, harness: Any, reward_ref: Any) -> tuple[int, int]:
+    """``(terminal, failures)`` over task rows of exactly this Harness and grader.
+
+    ``harness`` and ``reward_ref`` are each a ``key@version`` string, a ``{"key", "version"}``
+    mapping, an object with ``key`` and ``version`` (``ArenaRewardRefConfig``) or a
+    ``(key, version)`` pair. A row counts only when its task's ``harness_ref`` equals
+    ``harness`` and its ``reward_ref`` equals ``reward_ref``; rows lacking either are ignored.
+    A ``reward_ref`` without a key (a Stream with no grader) leaves reward provenance
+    unchecked. A row is its task or wraps it as ``{"task": {...}}``; non-object rows are
+    ignored. Status ``DONE``/``OK`` is terminal, one of ``FAILED_TASK_STATUSES`` terminal and a
+    failure, and any other (a task still running) is not counted.
+    """
+    harness_pair = _ref_pair(harness, "harness")
+    reward_pair = _ref_pair(reward_ref, "reward_ref")
     terminal = failures = 0
     for row in rows:
-        if not isinstance(row, Mapping):
+        task = row.get("task", row) if isinstance(row, Mapping) else None
+        if not isinstance(task, Mapping) or _ref_of(task, "harness_ref") != harness_pair:
             continue
-        task = row.get("task", row)
-        if not isinstance(task, Mapping) or _ref_of(task, "harness_ref") != harness:
-            continue
-        if reward_ref[0] and _ref_of(task, "reward_ref") != reward_ref:
+        if reward_pair[0] and _ref_of(task, "reward_ref") != reward_pair:
             continue
         status = str(task.get("status") or "").upper()
         if status in SUCCESS_TASK_STATUSES:
@@ -200,6 +282,15 @@ def recent_health(
         elif status in FAILED_TASK_STATUSES:
             terminal += 1
             failures += 1
+    return terminal, failures
+
+
+def recent_health(data: Any, harness: Any, reward_ref: Any) -> tuple[int, int, float]:
+    """``(terminal, failures, failure_rate)`` of a task-list payload: ``data`` when it is a
+    list, else its ``items`` (see :func:`_recent_health` for what counts)."""
+    rows = data.get("items", []) if isinstance(data, Mapping) else data
+    rows = rows if isinstance(rows, list) else []
+    terminal, failures = _recent_health(rows, harness=harness, reward_ref=reward_ref)
     return terminal, failures, (failures / terminal if terminal else 0.0)
 
 
@@ -214,7 +305,7 @@ def check_stream(
 ) -> dict[str, Any]:
     """Run every check on one Stream; returns its report record (raises on failure)."""
     sid = stream.stream_id
-    live = _stream_object(http.request("stream", stream_id=sid), sid)
+    live = _stream_object(http.data(["stream", "get", sid]), sid)
     if live.get("stream_id") != sid:
         raise ArenaAPIError(
             f"Arena returned Stream {live.get('stream_id')!r} when asked for {sid!r}"
@@ -231,21 +322,21 @@ def check_stream(
         )
 
     harness = _resolve_harness(stream.harness, live, sid)
-    harness_info = http.request("harness_version", key=harness[0], version=harness[1])
+    harness_info = http.data(["harness", "version-get", *harness])
     status = harness_info.get("status") if isinstance(harness_info, Mapping) else None
     if status != "PUBLISHED":
         raise ArenaAPIError(
             f"Harness {harness[0]}@{harness[1]} is not PUBLISHED (status {status!r})"
         )
 
-    dataset = http.request("stream_dataset", stream_id=sid, limit=1, offset=0)
+    dataset = http.data(["stream", "dataset", sid, "--limit", 1])
     total = dataset.get("total") if isinstance(dataset, Mapping) else None
     if isinstance(total, bool) or not isinstance(total, int) or total < 1:
         raise ArenaAPIError(
             f"Stream {sid!r} must have at least one row in its dataset (total {total!r})"
         )
 
-    tasks = http.request("stream_tasks", stream_id=sid, limit=recent_tasks, offset=0)
+    tasks = http.data(["stream", "tasks", sid, "--limit", recent_tasks, "--offset", 0])
     terminal, failures, rate = recent_health(tasks, harness, actual_ref)
     unhealthy = terminal < min_terminal_tasks or rate >= max_failure_rate
     if unhealthy and not allow_unhealthy:

@@ -300,7 +300,7 @@ def registry_smoke(
         except BaseException as e:  # Ctrl-C while serving still cleans up
             error = e
         cleanups = (
-            lambda: arena.delete_llm_proxy(model_name=model_name),
+            lambda: arena.delete_llm_proxy(model_name),
             lambda: http.post(
                 f"{base}/rl/end_session", headers={"Authorization": f"Bearer {session_key}"}
             ).raise_for_status(),

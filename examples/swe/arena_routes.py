@@ -63,9 +63,7 @@ class _SessionRoute:
         """Whether Arena still has this route (one bounded GET)."""
         timeout = self.registration_timeout
         return await bounded(
-            self.client.llm_proxy_exists_async(
-                model_name=self.model_name, client=self.http, timeout=timeout
-            ),
+            self.client.llm_proxy_exists_async(self.model_name, client=self.http, timeout=timeout),
             timeout,
         )
 
@@ -85,6 +83,12 @@ class SessionGatewayRegistry:
         self._routes: dict[tuple[str, str], _SessionRoute] = {}
         self._lock = asyncio.Lock()
         self._closed = False
+
+    @property
+    def _targets(self) -> dict[tuple[str, str], _SessionRoute]:
+        """The routes by (Arena base, proxy base): the same dict as ``_routes``, under the
+        name the reference registry uses."""
+        return self._routes
 
     async def acquire(
         self,
@@ -294,7 +298,7 @@ class SessionGatewayRegistry:
                 logger.warning("could not cancel the probe of %s: %s", route.model_name, e)
         for route in routes:
             try:
-                route.client.delete_llm_proxy(model_name=route.model_name)
+                route.client.delete_llm_proxy(route.model_name)
             except Exception as e:
                 logger.warning(
                     "could not delete Arena route %s at shutdown: %s",
@@ -341,7 +345,7 @@ async def delete_route(
     """Best-effort, bounded DELETE of a route; records ``arena/cleanup_success``."""
     try:
         await bounded(
-            client.delete_llm_proxy_async(model_name=model_name, client=http, timeout=timeout),
+            client.delete_llm_proxy_async(model_name, client=http, timeout=timeout),
             timeout,
         )
     except Exception as e:
@@ -354,11 +358,11 @@ async def delete_route(
 
 
 async def renew_gateway_route(
+    model_name: str,
+    *,
     client: ArenaOpenAPIClient,
     http: Any,
-    model_name: str,
     reregister: Callable[[], Awaitable[object]],
-    *,
     interval: float,
     timeout: float,
     secret_values: tuple[str, ...],
@@ -372,7 +376,7 @@ async def renew_gateway_route(
         await asyncio.sleep(interval)
         try:
             present = await bounded(
-                client.renew_llm_proxy_async(model_name=model_name, client=http, timeout=timeout),
+                client.renew_llm_proxy_async(model_name, client=http, timeout=timeout),
                 timeout,
             )
             if not present:

@@ -42,18 +42,18 @@ def filter_function(sample: Mapping[str, Any]) -> bool:
     ``original_rewards`` are read when present because ``rewards`` may already be
     centered, which would hide the difference between all-correct and all-wrong.
 
-    Records, in the ``rollout`` scope: ``rejected_by_failed_or_perfect`` (1 if rejected),
-    ``rejected_by_all_correct`` (rejected with every reward >= 0.999) and
-    ``rejected_by_all_wrong`` (rejected otherwise, including uniform partial rewards).
+    Records, in the ``rollout`` tracker (keys ``rollout/<name>``):
+    ``rejected_by_failed_or_perfect`` (1 if rejected), ``rejected_by_all_correct``
+    (rejected with every reward >= 0.999) and ``rejected_by_all_wrong`` (rejected
+    otherwise, including uniform partial rewards).
     """
     rewards = _group_rewards(sample)
     rejected = all(r == rewards[0] for r in rewards)
     all_correct = rejected and all(r >= ALL_CORRECT_THRESHOLD for r in rewards)
-    tracker = stats_tracker.get("rollout")
-    with tracker.scope("rollout"):
-        tracker.scalar(
-            rejected_by_failed_or_perfect=float(rejected),
-            rejected_by_all_correct=float(all_correct),
-            rejected_by_all_wrong=float(rejected and not all_correct),
-        )
+    # only ``scalar``: any tracker object providing the plain recording API will do
+    stats_tracker.get("rollout").scalar(
+        rejected_by_failed_or_perfect=float(rejected),
+        rejected_by_all_correct=float(all_correct),
+        rejected_by_all_wrong=float(rejected and not all_correct),
+    )
     return not rejected

@@ -135,7 +135,7 @@ def resolve_arena_stream(
     id, the resolved protocol and the *actual* grader as ``expected_reward_ref``, so an
     unpinned Stream is pinned to the grader that was live when the run started.
     """
-    live = client.resolve_stream(stream_id=configured.stream_id)
+    live = client.resolve_stream(configured.stream_id)
     stream_id = live.get("stream_id")
     if not isinstance(stream_id, str) or not stream_id:
         raise ArenaAPIError(f"Arena Stream {configured.name!r} resolved without a stream_id")

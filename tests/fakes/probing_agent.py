@@ -58,5 +58,4 @@ class MismatchProbeAgent:
         self, data: dict[str, Any], rewards: list[float | None], group_size: int
     ) -> None:
         passed = any(reward is not None and reward > 0 for reward in rewards)
-        scope = workflow_context.stat_scope()
-        stats_tracker.get("rollout").scalar(**{f"{scope}/pass@k": float(passed)})
+        stats_tracker.get(workflow_context.stat_scope()).scalar(**{"pass@k": float(passed)})

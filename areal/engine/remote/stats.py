@@ -1,4 +1,4 @@
-"""A rollout worker's stats: its ``rollout`` tracker and its proxies', as one mergeable export."""
+"""A rollout worker's stats: all its trackers and its proxies', as one mergeable export."""
 
 from __future__ import annotations
 
@@ -46,8 +46,9 @@ def proxy_stats(
 def worker_stats(
     http: httpx.Client, proxies: list[LocalInfServerInfo], admin_key: str
 ) -> dict[str, float]:
-    """This worker's ``rollout`` stats and its proxies' (``proxy/*``), mergeable."""
-    exports = [stats_tracker.get("rollout").export(mergeable=True)]
+    """Everything this worker recorded, in any tracker (``rollout/*``, ``eval-rollout/*``,
+    a workflow's own), and its proxies' (``proxy/*``), mergeable."""
+    exports = [stats_tracker.export_all(mergeable=True)]
     if proxies:
         exports += proxy_stats(http, proxies, admin_key)
     return exports[0] if len(exports) == 1 else combine_mergeable(exports)

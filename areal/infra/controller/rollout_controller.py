@@ -538,12 +538,7 @@ class RolloutController:
             merged = {_rescoped(k, self.role): v for k, v in merged.items()}
         stat = self.staleness.get_stats() if self.staleness else None
         if stat is not None:
-            stats_tracker.get("rollout").scalar(
-                **{
-                    f"{self.role}/running": stat.running,
-                    f"{self.role}/accepted_total": stat.accepted,
-                }
-            )
+            stats_tracker.get(self.role).scalar(running=stat.running, accepted_total=stat.accepted)
         return merged
 
 

@@ -89,16 +89,27 @@ async def test_failed_terminal_status_records_the_outcome(fake):
     assert stats["rollout/arena/cleanup_success"] == 1.0
 
 
-async def test_episode_timeout_after_launch(fake, logs, tmp_path):
+def timeout_warning(caplog) -> logging.LogRecord:
+    """The one warning of a timed-out run: the key=value line of the agent."""
+    (record,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert record.name == "areal.arena.agent"
+    assert record.msg == "arena task timed out: task_id=%s data_id=%s timeout_s=%s"
+    return record
+
+
+async def test_episode_timeout_after_launch(fake, areal_logs, tmp_path):
     # W8
     fake.polls = [{"status": "RUNNING"}]
     agent = make_agent(fake, timeout=0.05, arena_result_dump_dir=str(tmp_path))
     with pytest.raises(TimeoutError) as caught:
         await agent.run(dict(ROW), **run_kwargs())
     assert type(caught.value) is TimeoutError
-    warnings = logs.messages(logging.WARNING)
-    assert len(warnings) == 1
-    assert "task-1" in warnings[0] and "data-1" in warnings[0] and "0.05s" in warnings[0]
+    assert "did not finish within the episode timeout of 0.05s" in str(caught.value)
+    warning = timeout_warning(areal_logs)
+    assert warning.args == ("task-1", "data-1", 0.05)
+    assert warning.getMessage() == (
+        "arena task timed out: task_id=task-1 data_id=data-1 timeout_s=0.05"
+    )
     (record,) = records(tmp_path)
     assert record["status"] == "LOCAL_WAIT_TIMEOUT" and record["task_id"] == "task-1"
     assert record["arena_score"] is None and record["training_score"] is None
@@ -109,7 +120,7 @@ async def test_episode_timeout_after_launch(fake, logs, tmp_path):
     assert stats["rollout/arena/cleanup_success"] == 1.0
 
 
-async def test_episode_timeout_before_arena_accepts_the_task(fake, logs, tmp_path):
+async def test_episode_timeout_before_arena_accepts_the_task(fake, areal_logs, tmp_path):
     async def slow_launch(request):
         await asyncio.sleep(1)
 
@@ -117,8 +128,11 @@ async def test_episode_timeout_before_arena_accepts_the_task(fake, logs, tmp_pat
     agent = make_agent(fake, timeout=0.05, arena_result_dump_dir=str(tmp_path))
     with pytest.raises(TimeoutError):
         await agent.run(dict(ROW), **run_kwargs())
-    (warning,) = logs.messages(logging.WARNING)
-    assert "unknown" in warning and "data-1" in warning
+    warning = timeout_warning(areal_logs)
+    assert warning.args == ("unknown", "data-1", 0.05)
+    assert warning.getMessage() == (
+        "arena task timed out: task_id=unknown data_id=data-1 timeout_s=0.05"
+    )
     assert records(tmp_path) == []  # no task id: nothing to audit
     stats = metrics()
     assert stats["rollout/arena/launch_success"] == 0.0

@@ -152,12 +152,15 @@ class FakeArena:
         return httpx.Response(404, json={"error": f"no route for {op}"})
 
 
-class KeywordOnlyArenaClient:
-    """An Arena client whose public methods all take keyword arguments only (``*,``).
+class StrictCallArenaClient:
+    """An Arena client that accepts only the call shapes of the reference suite.
 
-    It forwards to a real :class:`ArenaOpenAPIClient` (over a fake transport) and records
-    the name of every call, so a caller that passes anything positionally fails here with
-    a ``TypeError``, as it would on a keyword-only subclass or wrapper of the client.
+    The Stream or route identifier of ``resolve_stream[_async]``, ``llm_proxy_exists_async``,
+    ``renew_llm_proxy_async`` and ``delete_llm_proxy[_async]`` is positional-only (``/``);
+    every other parameter of every method is keyword-only (``*``). It forwards to a real
+    :class:`ArenaOpenAPIClient` (over a fake transport) and records the name of every call,
+    so a caller that passes an identifier by keyword, or anything else positionally, fails
+    here with a ``TypeError``, as it would on a subclass or wrapper shaped like this.
     """
 
     def __init__(self, *, inner: ArenaOpenAPIClient):
@@ -169,17 +172,15 @@ class KeywordOnlyArenaClient:
     def llm_gateway_api_key(self) -> str:
         return self._inner.llm_gateway_api_key
 
-    def resolve_stream(self, *, stream_id: str = "", client: Any = None) -> dict:
+    def resolve_stream(self, stream_id: str = "", /, *, client: Any = None) -> dict:
         self.calls.append("resolve_stream")
-        return self._inner.resolve_stream(stream_id=stream_id, client=client)
+        return self._inner.resolve_stream(stream_id, client=client)
 
     async def resolve_stream_async(
-        self, *, stream_id: str = "", client: Any = None, timeout: float | None = None
+        self, stream_id: str = "", /, *, client: Any = None, timeout: float | None = None
     ) -> dict:
         self.calls.append("resolve_stream_async")
-        return await self._inner.resolve_stream_async(
-            stream_id=stream_id, client=client, timeout=timeout
-        )
+        return await self._inner.resolve_stream_async(stream_id, client=client, timeout=timeout)
 
     def get_all_dataset_rows(
         self, *, stream_id: str, llm_protocol: str = "chat_completions", client: Any = None
@@ -232,32 +233,26 @@ class KeywordOnlyArenaClient:
         )
 
     async def llm_proxy_exists_async(
-        self, *, model_name: str, client: Any = None, timeout: float = 180.0
+        self, model_name: str, /, *, client: Any = None, timeout: float = 180.0
     ) -> bool:
         self.calls.append("llm_proxy_exists_async")
-        return await self._inner.llm_proxy_exists_async(
-            model_name=model_name, client=client, timeout=timeout
-        )
+        return await self._inner.llm_proxy_exists_async(model_name, client=client, timeout=timeout)
 
     async def renew_llm_proxy_async(
-        self, *, model_name: str, client: Any = None, timeout: float = 180.0
+        self, model_name: str, /, *, client: Any = None, timeout: float = 180.0
     ) -> bool:
         self.calls.append("renew_llm_proxy_async")
-        return await self._inner.renew_llm_proxy_async(
-            model_name=model_name, client=client, timeout=timeout
-        )
+        return await self._inner.renew_llm_proxy_async(model_name, client=client, timeout=timeout)
 
-    def delete_llm_proxy(self, *, model_name: str, client: Any = None) -> None:
+    def delete_llm_proxy(self, model_name: str, /, *, client: Any = None) -> None:
         self.calls.append("delete_llm_proxy")
-        self._inner.delete_llm_proxy(model_name=model_name, client=client)
+        self._inner.delete_llm_proxy(model_name, client=client)
 
     async def delete_llm_proxy_async(
-        self, *, model_name: str, client: Any = None, timeout: float = 180.0
+        self, model_name: str, /, *, client: Any = None, timeout: float = 180.0
     ) -> None:
         self.calls.append("delete_llm_proxy_async")
-        await self._inner.delete_llm_proxy_async(
-            model_name=model_name, client=client, timeout=timeout
-        )
+        await self._inner.delete_llm_proxy_async(model_name, client=client, timeout=timeout)
 
     async def launch_one_task_result(
         self,
@@ -347,11 +342,11 @@ def make_agent(
     retries: int = 0,
     llm_key: str = LLM_KEY,
     flag: bool = False,
-    keyword_only: bool = False,
+    strict_calls: bool = False,
     **econfig: Any,
 ) -> ArenaStreamAgentWorkflow:
     """An agent on the legacy single Stream ``stream-a`` (econfig keys override);
-    ``keyword_only`` hands it a :class:`KeywordOnlyArenaClient`."""
+    ``strict_calls`` hands it a :class:`StrictCallArenaClient`."""
     settings: dict[str, Any] = {
         "stream_id": "stream-a",
         "arena_harness": HARNESS,
@@ -361,8 +356,8 @@ def make_agent(
     }
     settings.update(econfig)
     client: Any = make_client(fake, retries=retries, llm_key=llm_key)
-    if keyword_only:
-        client = KeywordOnlyArenaClient(inner=client)
+    if strict_calls:
+        client = StrictCallArenaClient(inner=client)
     return ArenaStreamAgentWorkflow(
         settings, reject_terminal_task_failures=flag, arena_client=client
     )
@@ -381,8 +376,9 @@ def run_kwargs(session: str = "sess-1", **overrides: Any) -> dict[str, Any]:
 
 
 def metrics() -> dict[str, float]:
-    """Everything recorded on the rollout tracker since the last call (then reset)."""
-    return stats_tracker.get("rollout").export()
+    """Everything recorded in any tracker since the last call (then reset), as a rollout
+    worker exports it: ``rollout/*``, ``eval-rollout/*``, ``debug/*``."""
+    return stats_tracker.export_all()
 
 
 class LogRecords(logging.Handler):

@@ -113,9 +113,9 @@ async def test_custom_transform_gets_the_threshold_keyword(fake):
 
 
 def test_transforms_are_resolved_at_construction(fake):
-    with pytest.raises(ModuleNotFoundError):
+    with pytest.raises(ImportError, match="no module 'no_such_package'"):
         make_agent(fake, arena_reward_transform_fn="no_such_package.module.fn")
-    with pytest.raises(AttributeError):
+    with pytest.raises(ImportError, match="has no attribute 'missing'"):
         make_agent(fake, arena_reward_transform_fn="examples.swe.reward_transforms.missing")
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import base64
 import json
 import threading
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
+from examples.swe import arena_preflight
 from examples.swe.arena_client import ArenaAPIError
 from examples.swe.arena_preflight import (
     PreflightHTTP,
@@ -42,9 +44,13 @@ def http() -> ScriptedHTTP:
     return ScriptedHTTP()
 
 
-@pytest.fixture
-def sleeps() -> list[float]:
-    return []
+@pytest.fixture(autouse=True)
+def sleeps(monkeypatch) -> list[float]:
+    """The preflight's back-off sleeps, recorded instead of slept (its module's ``time`` is
+    replaced, so the live server's thread keeps the real one)."""
+    recorded: list[float] = []
+    monkeypatch.setattr(arena_preflight, "time", SimpleNamespace(sleep=recorded.append))
+    return recorded
 
 
 def task(status: str, harness=("claude", "1"), reward=("reward-a", "1"), wrap=True) -> dict:
@@ -126,13 +132,8 @@ streams:
 """
 
 
-def run(http: ScriptedHTTP, sleeps: list | None = None, *, retries: int = 3, **kwargs):
-    client = PreflightHTTP(
-        "https://arena.test",
-        retries=retries,
-        transport=http.transport,
-        sleep=(sleeps if sleeps is not None else []).append,
-    )
+def run(http: ScriptedHTTP, *, retries: int = 3, **kwargs):
+    client = PreflightHTTP("https://arena.test", retries=retries, transport=http.transport)
     kwargs.setdefault("base_url", "https://arena.test")
     return validate_streams(http=client, retries=retries, **kwargs)
 
@@ -167,14 +168,14 @@ def test_happy_path_summary(http, tmp_path):
 
 def test_operation_mapping(http):
     client = PreflightHTTP("https://arena.test", transport=http.transport)
-    for op, params in [
-        ("stream", {"stream_id": "stream/a"}),
-        ("harness_version", {"key": "claude/code", "version": "1.2.4"}),
-        ("stream_dataset", {"stream_id": "stream/a"}),
-        ("stream_tasks", {"stream_id": "stream/a", "limit": 100, "offset": 23}),
+    for command in [
+        ["stream", "get", "stream/a"],
+        ["harness", "version-get", "claude/code", "1.2.4"],
+        ["stream", "dataset", "stream/a", "--limit", 1],
+        ["stream", "tasks", "stream/a", "--limit", 100, "--offset", 23],
     ]:
         with pytest.raises(ArenaAPIError):  # the scripted peer answers 404
-            client.request(op, **params)
+            client.data(command)
     assert [(r.method, r.raw_path) for r in http.requests] == [
         ("GET", f"{API}/streams/stream%2Fa"),
         ("GET", f"{API}/harnesses/claude%2Fcode/versions/1.2.4"),
@@ -189,8 +190,8 @@ def test_operation_mapping(http):
     ]
     assert {r.headers["authorization"] for r in http.requests} == {f"Bearer {TOKEN}"}
     assert all(r.body == b"" for r in http.requests)
-    with pytest.raises(ValueError, match="unknown preflight operation"):
-        client.request("launch_one_task", stream_id="x")
+    with pytest.raises(ValueError, match="unknown Arena command"):
+        client.data(["task", "launch", "x"])
 
 
 @pytest.mark.parametrize(
@@ -215,14 +216,14 @@ def test_spanner_403_is_retried(http, sleeps, tmp_path):
     http.routes[("GET", f"{API}/streams/stream-a")].appendleft(
         reply(403, text="blocked by spanner-http-ant-group-watch-all gateway")
     )
-    run(http, sleeps, retries=1, streams_file=streams_file(tmp_path, ONE_STREAM))
+    run(http, retries=1, streams_file=streams_file(tmp_path, ONE_STREAM))
     assert len(http.calls("GET", f"{API}/streams/stream-a")) == 2 and sleeps == [1.0]
 
 
 def test_plain_403_is_not_retried(http, sleeps, tmp_path):
     http.on("GET", f"{API}/streams/stream-a", reply(403, text="forbidden"))
     with pytest.raises(ArenaAPIError, match="returned HTTP 403"):
-        run(http, sleeps, streams_file=streams_file(tmp_path, ONE_STREAM))
+        run(http, streams_file=streams_file(tmp_path, ONE_STREAM))
     assert len(http.requests) == 1 and sleeps == []
 
 
@@ -230,17 +231,17 @@ def test_plain_403_is_not_retried(http, sleeps, tmp_path):
 def test_retryable_statuses_exhaust(http, sleeps, tmp_path, status):
     http.on("GET", f"{API}/streams/stream-a", reply(status))
     with pytest.raises(ArenaAPIError, match=f"returned HTTP {status}"):
-        run(http, sleeps, streams_file=streams_file(tmp_path, ONE_STREAM))
+        run(http, streams_file=streams_file(tmp_path, ONE_STREAM))
     assert len(http.requests) == 4 and sleeps == [1.0, 2.0, 4.0]
 
 
 def test_zero_retries_and_backoff_cap(http, sleeps, tmp_path):
     http.on("GET", f"{API}/streams/stream-a", reply(502))
     with pytest.raises(ArenaAPIError):
-        run(http, sleeps, retries=0, streams_file=streams_file(tmp_path, ONE_STREAM))
+        run(http, retries=0, streams_file=streams_file(tmp_path, ONE_STREAM))
     assert len(http.requests) == 1
     with pytest.raises(ArenaAPIError):
-        run(http, sleeps, retries=6, streams_file=streams_file(tmp_path, ONE_STREAM))
+        run(http, retries=6, streams_file=streams_file(tmp_path, ONE_STREAM))
     assert sleeps == [1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
 
 

@@ -74,3 +74,37 @@ def test_accepted_groups_record_zero_rejections(rollout_stats):
 def test_rejects_unusable_rewards(sample):
     with pytest.raises(ValueError, match="rewards"):
         filter_function(sample)
+
+
+def test_records_through_any_tracker_with_the_plain_api(monkeypatch):
+    """Only ``scalar``/``stat`` are used: a tracker object with nothing else (no scopes)
+    receives the three counts, once per call, under their bare names."""
+
+    class PlainTracker:
+        def __init__(self):
+            self.scalars: list[dict[str, float]] = []
+
+        def scalar(self, **values: float) -> None:
+            self.scalars.append(values)
+
+        def stat(self, denominator: str, **values) -> None:
+            raise AssertionError("the filter records scalars only")
+
+    plain = PlainTracker()
+    names: list[str] = []
+    monkeypatch.setattr(stats_tracker, "get", lambda name="": names.append(name) or plain)
+    assert filter_function({"rewards": torch.tensor([1.0, 1.0])}) is False
+    assert filter_function({"rewards": torch.tensor([0.0, 1.0])}) is True
+    assert names == ["rollout", "rollout"]
+    assert plain.scalars == [
+        {
+            "rejected_by_failed_or_perfect": 1.0,
+            "rejected_by_all_correct": 1.0,
+            "rejected_by_all_wrong": 0.0,
+        },
+        {
+            "rejected_by_failed_or_perfect": 0.0,
+            "rejected_by_all_correct": 0.0,
+            "rejected_by_all_wrong": 0.0,
+        },
+    ]

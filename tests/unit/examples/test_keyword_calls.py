@@ -1,9 +1,13 @@
-"""Keyword-only clients and controllers drive the agent and the rollout-only tool end to end.
+"""Strictly shaped clients and controllers drive the agent and the rollout-only tool end to end.
 
-The agent and the rollout-only tool call every public method of the Arena client and of
-the rollout controller with keyword arguments, so subclasses and wrappers whose
-parameters are keyword-only (``*,``) keep working. The fakes here take keywords only: a
-positional call anywhere on the path fails with ``TypeError``.
+The agent, the route helpers and the rollout-only tool call the Arena client the way the
+reference suite's users do: the Stream or route identifier of ``resolve_stream[_async]``,
+``llm_proxy_exists_async``, ``renew_llm_proxy_async`` and ``delete_llm_proxy[_async]`` is
+passed positionally, every other argument (and every argument of the other client methods
+and of the rollout controller) by keyword. The fakes here pin exactly that: their
+identifier parameters are positional-only (``/``) and all other parameters keyword-only
+(``*``), so passing an identifier by keyword, or anything else positionally, anywhere on
+the path fails with ``TypeError``.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from tests.unit.examples.test_arena_agent_fakes import (
     FakeArena,
     FakeClock,
     FakeRuntime,
-    KeywordOnlyArenaClient,
+    StrictCallArenaClient,
     make_agent,
     make_client,
     metrics,
@@ -56,14 +60,14 @@ def fake() -> FakeArena:
 
 class KeywordOnlyController:
     """A rollout controller taking keywords only; it runs each submitted row through the
-    workflow it names, with a keyword-only Arena client over ``fake``."""
+    workflow it names, with a strict Arena client over ``fake``."""
 
     def __init__(self, *, fake: FakeArena, proxy_addr: str = PROXY):
         self.fake = fake
         self.proxy_addr = proxy_addr
         self.pending: dict[int, tuple[dict, Any, dict]] = {}
         self.submitted: list[dict[str, Any]] = []
-        self.clients: list[KeywordOnlyArenaClient] = []
+        self.clients: list[StrictCallArenaClient] = []
 
     def submit(
         self,
@@ -82,7 +86,7 @@ class KeywordOnlyController:
         self, *, task_id: int, timeout: float | None = None, raise_timeout: bool = True
     ) -> dict[str, Any]:
         data, workflow, workflow_kwargs = self.pending.pop(task_id)
-        client = KeywordOnlyArenaClient(inner=make_client(self.fake))
+        client = StrictCallArenaClient(inner=make_client(self.fake))
         self.clients.append(client)
         agent = import_from_string(workflow)(**workflow_kwargs, arena_client=client)
         session = f"sess-{task_id}"
@@ -121,27 +125,72 @@ class KeywordOnlyEngine(KeywordOnlyController):
         self.lifecycle.append("destroy")
 
 
-def test_the_fakes_take_keywords_only():
-    for cls in (KeywordOnlyArenaClient, KeywordOnlyController, KeywordOnlyEngine):
-        for name, member in inspect.getmembers(cls, inspect.isfunction):
-            if name.startswith("_") and name != "__init__":
-                continue
-            params = list(inspect.signature(member).parameters.values())[1:]
-            kinds = {p.kind for p in params}
-            assert kinds <= {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}, (
-                f"{cls.__name__}.{name}"
-            )
+# The client methods whose first parameter is the Stream or route identifier.
+IDENTIFIER_FIRST = {
+    "resolve_stream": "stream_id",
+    "resolve_stream_async": "stream_id",
+    "llm_proxy_exists_async": "model_name",
+    "renew_llm_proxy_async": "model_name",
+    "delete_llm_proxy": "model_name",
+    "delete_llm_proxy_async": "model_name",
+}
+KEYWORDS = {inspect.Parameter.KEYWORD_ONLY, inspect.Parameter.VAR_KEYWORD}
+
+
+def public_methods(cls: type) -> list[tuple[str, list[inspect.Parameter]]]:
+    return [
+        (name, list(inspect.signature(member).parameters.values())[1:])  # without self
+        for name, member in inspect.getmembers(cls, inspect.isfunction)
+        if not name.startswith("_") or name == "__init__"
+    ]
+
+
+def test_the_fakes_pin_the_call_shapes():
+    for cls in (StrictCallArenaClient, KeywordOnlyController, KeywordOnlyEngine):
+        for name, params in public_methods(cls):
+            if cls is StrictCallArenaClient and name in IDENTIFIER_FIRST:
+                first, params = params[0], params[1:]
+                assert first.name == IDENTIFIER_FIRST[name], name
+                assert first.kind is inspect.Parameter.POSITIONAL_ONLY, name
+            assert {p.kind for p in params} <= KEYWORDS, f"{cls.__name__}.{name}"
+
+
+def test_the_real_client_takes_the_identifier_first_and_the_rest_by_keyword():
+    methods = dict(public_methods(ArenaOpenAPIClient))
+    for name, identifier in IDENTIFIER_FIRST.items():
+        first, *rest = methods[name]
+        assert first.name == identifier, name
+        assert first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+        assert {p.kind for p in rest} <= KEYWORDS, name
+
+
+def test_route_renewal_takes_the_route_name_first_and_the_rest_by_keyword():
+    first, *rest = inspect.signature(arena_routes.renew_gateway_route).parameters.values()
+    assert first.name == "model_name"
+    assert first.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert {p.kind for p in rest} <= KEYWORDS
+
+
+async def test_the_strict_client_refuses_other_call_shapes(fake):
+    client = StrictCallArenaClient(inner=make_client(fake))
+    with pytest.raises(TypeError):
+        await client.delete_llm_proxy_async(model_name="stream-areal-x")
+    with pytest.raises(TypeError):
+        await client.renew_llm_proxy_async("stream-areal-x", None)
+    with pytest.raises(TypeError):
+        client.resolve_stream(stream_id="stream-a")
+    assert client.calls == [] and fake.calls == []
 
 
 # --- the agent, in each route mode ---
 
 
-async def test_direct_route_with_a_keyword_only_client(fake):
+async def test_direct_route_with_a_strict_client(fake):
     fake.streams["stream-a"]["default_reward_ref"] = {"key": "grader", "version": "1"}
     row = {**ROW, "reward_ref_key": "grader", "reward_ref_version": "1"}
     agent = make_agent(
         fake,
-        keyword_only=True,
+        strict_calls=True,
         arena_llm_route_mode="direct",
         arena_streams=[
             {
@@ -161,7 +210,7 @@ async def test_direct_route_with_a_keyword_only_client(fake):
     assert metrics()["rollout/arena/reward_ref_validation_success"] == 1.0
 
 
-async def test_gateway_route_with_a_keyword_only_client(fake):
+async def test_gateway_route_with_a_strict_client(fake):
     # Renewal: present once, then gone (re-registered under the same name).
     fake.script("renew", None, httpx.Response(404, json={"error": "gone"}))
     fake.on_poll = lambda f, _: (  # done once re-registered (or after about a second)
@@ -169,7 +218,7 @@ async def test_gateway_route_with_a_keyword_only_client(fake):
         if len(f.ops("register")) >= 2 or len(f.ops("poll")) > 500
         else {"status": "RUNNING"}
     )
-    agent = make_agent(fake, keyword_only=True, arena_registration_probe_interval=0.01)
+    agent = make_agent(fake, strict_calls=True, arena_registration_probe_interval=0.01)
 
     assert await asyncio.wait_for(agent.run(dict(ROW), **run_kwargs()), 5) == 0.5
 
@@ -184,13 +233,13 @@ async def test_gateway_route_with_a_keyword_only_client(fake):
     assert stats["rollout/arena/registration_renew_success"] == 1.0
 
 
-async def test_session_gateway_with_a_keyword_only_client(fake, monkeypatch):
+async def test_session_gateway_with_a_strict_client(fake, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr(arena_routes, "time", clock)
     runtime = FakeRuntime()
     agent = make_agent(
         fake,
-        keyword_only=True,
+        strict_calls=True,
         arena_llm_route_mode="session_gateway",
         arena_registration_probe_interval=60.0,
     )
@@ -211,7 +260,7 @@ async def test_session_gateway_with_a_keyword_only_client(fake, monkeypatch):
     assert metrics()["rollout/arena/registration_restore_success"] == 1.0
 
     # Without a worker runtime the route is deleted when its last run ends.
-    solo = make_agent(fake, keyword_only=True, arena_llm_route_mode="session_gateway")
+    solo = make_agent(fake, strict_calls=True, arena_llm_route_mode="session_gateway")
     assert await solo.run(dict(ROW), **run_kwargs("s-3")) == 1.0
     assert solo.client.calls[-1] == "delete_llm_proxy_async" and not fake.models
 
@@ -230,7 +279,7 @@ def rollout_arenas() -> tuple[training.FakeArena, FakeArena]:
     return dataset_side, task_side
 
 
-def test_rollout_tasks_with_a_keyword_only_client_and_controller(monkeypatch):
+def test_rollout_tasks_with_a_strict_client_and_a_keyword_only_controller(monkeypatch):
     monkeypatch.delenv("ARENA_ROLLOUT_DATA_ID", raising=False)
     dataset_side, task_side = rollout_arenas()
     econfig = SWEEnvConfig(
@@ -239,7 +288,7 @@ def test_rollout_tasks_with_a_keyword_only_client_and_controller(monkeypatch):
         arena_harness=HARNESS,
         arena_llm_route_mode="direct",
     )
-    client = KeywordOnlyArenaClient(inner=dataset_side.client())
+    client = StrictCallArenaClient(inner=dataset_side.client())
     rows, stream = select_rows(econfig, 2, seed=3, client=client)
     assert client.calls == ["resolve_stream", "get_all_dataset_rows"]
     pin_streams_for_workers(econfig, [stream])
@@ -263,7 +312,7 @@ def test_rollout_tasks_with_a_keyword_only_client_and_controller(monkeypatch):
     assert launched == [row["data_id"] for row in rows]
 
 
-def test_registry_smoke_with_a_keyword_only_client():
+def test_registry_smoke_with_a_strict_client():
     peers = SmokePeers()
     inner = ArenaOpenAPIClient(
         base_url=training.BASE,
@@ -271,7 +320,7 @@ def test_registry_smoke_with_a_keyword_only_client():
         request_retries=0,
         transport=httpx.MockTransport(peers._arena),
     )
-    client = KeywordOnlyArenaClient(inner=inner)
+    client = StrictCallArenaClient(inner=inner)
     with httpx.Client(transport=peers.proxy.transport) as http:
         name = registry_smoke(PROXY, ADMIN_KEY, "trial", client, http=http)
     assert client.calls == ["register_llm_proxy", "delete_llm_proxy"]
@@ -280,7 +329,7 @@ def test_registry_smoke_with_a_keyword_only_client():
 
 def test_rollout_only_main_with_a_keyword_only_engine(profile_env, monkeypatch):
     # The whole tool: config, a local Arena for the rows, the engine's server and proxy,
-    # one agent rollout per row (keyword-only client), the summary.
+    # one agent rollout per row (strict client), the summary.
     monkeypatch.delenv("ARENA_OPENAPI_TOKEN", raising=False)
     monkeypatch.delenv("ARENA_ROLLOUT_DATA_ID", raising=False)
     task_side = FakeArena()

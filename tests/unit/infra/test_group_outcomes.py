@@ -4,6 +4,7 @@ the per-task deadline of the executor."""
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 
 import pytest
@@ -116,14 +117,19 @@ async def test_the_proxy_workflow_hands_group_metrics_to_its_agent():
         async def run(self, data, **kwargs):
             return 1.0
 
-        async def record_group_metrics(self, data, rewards, group_size):
+        def record_group_metrics(self, data, rewards, group_size):
             seen.append((rewards, group_size))
 
     workflow = OpenAIProxyWorkflow(
         agent=Agent(), proxy_addr="http://127.0.0.1:1", admin_api_key="k"
     )
-    await workflow.record_group_metrics({}, [1.0, None], 2)
+    assert not inspect.iscoroutinefunction(workflow.record_group_metrics)
+    workflow.record_group_metrics({}, [1.0, None], 2)
     assert seen == [([1.0, None], 2)]
+    # and through the group, once per group
+    group = GroupedRolloutWorkflow(workflow, group_size=2)
+    await group._record_group_metrics({}, [None, None])
+    assert seen[-1] == ([None, None], 2)
 
 
 # --- the per-task deadline ---

@@ -43,10 +43,10 @@ def proxy_stats(url: str) -> dict[str, float]:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_rollout_tracker():
-    stats_tracker.get("rollout").export()  # the proxy runs in this process here
+def _fresh_trackers():
+    stats_tracker.export_all()  # the proxy runs in this process here
     yield
-    stats_tracker.get("rollout").export()
+    stats_tracker.export_all()
 
 
 def test_concat_mismatch_and_temperature_mismatch_are_counted(tokenizer, areal_logs):

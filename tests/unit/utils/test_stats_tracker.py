@@ -117,8 +117,44 @@ def test_named_trackers_and_module_functions():
     with stats_tracker.scope("unit-default"):
         stats_tracker.scalar(v=4.0)
     out = stats_tracker.export_all()
-    assert out["v"] == 2.0 and out["unit-default/v"] == 4.0
+    assert out["unit-named/v"] == 2.0 and out["unit-default/v"] == 4.0
+    assert "v" not in out
     assert stats_tracker.get("unit-named") is stats_tracker.get("unit-named")
+
+
+def test_a_named_tracker_records_under_its_name():
+    """``get(name)`` prefixes every key with ``name/``: scalars, denominators and stats,
+    scopes inside it, timings; the scope stack adds after the name."""
+    tracker = stats_tracker.get("unit-rollout")
+    tracker.export()
+    tracker.scalar(reward=1.0)
+    with tracker.scope("agent"):
+        tracker.denominator(n=torch.tensor([True, False]))
+        tracker.stat(denominator="n", turns=torch.tensor([3.0, 9.0]))
+    with tracker.record_timing("step"):
+        pass
+    out = tracker.export()
+    assert out["unit-rollout/reward"] == 1.0
+    assert out["unit-rollout/agent/n"] == 1.0
+    assert out["unit-rollout/agent/turns/avg"] == 3.0
+    assert "unit-rollout/timeperf/step" in out
+    assert not [k for k in out if not k.startswith("unit-rollout/")]
+    assert (
+        stats_tracker.StatsTracker("/x/").export() == {}
+        and stats_tracker.StatsTracker("/x/").name == "x"
+    )
+
+
+def test_export_all_gathers_every_named_tracker_mergeable():
+    stats_tracker.export_all()
+    stats_tracker.get("rollout").scalar(reward=1.0)
+    stats_tracker.get("eval-rollout").scalar(reward=0.5)
+    stats_tracker.get("my-workflow").scalar(custom=2.0)
+    out = stats_tracker.export_all(mergeable=True)
+    assert out["rollout/reward"] == 1.0 and out["rollout/reward__count"] == 1.0
+    assert out["eval-rollout/reward"] == 0.5
+    assert out["my-workflow/custom"] == 2.0
+    assert stats_tracker.export_all() == {}  # reset
 
 
 def test_worker_exports_merge_denominators_and_masked_averages():
@@ -126,7 +162,7 @@ def test_worker_exports_merge_denominators_and_masked_averages():
     samples (not by the workers), extremes are taken over both, untagged keys are dropped."""
     exports = []
     for turns, harness_error in (([2.0, 4.0], [False, True]), ([3.0], [False])):
-        t = stats_tracker.StatsTracker("rollout")
+        t = stats_tracker.StatsTracker()
         for value, error in zip(turns, harness_error, strict=True):
             t.denominator(n_count=torch.tensor([True]), ok_count=torch.tensor([not error]))
             t.stat(denominator="n_count", n=torch.tensor([value]))
