@@ -108,6 +108,24 @@ def tiny_model_dir_b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen3-b"), seed=1)
 
 
+@pytest.fixture(scope="session")
+def ling3_tokenizer():
+    """A BPE tokenizer in the Ling 3 chat format (``<role>``, ``<|role_end|>``, tool-call
+    and think tags), built offline once per session."""
+    from areal.utils.tiny_model import build_ling3_tokenizer
+
+    return build_ling3_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def ling3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Qwen3 model over the Ling 3 tokenizer's vocabulary, with that
+    tokenizer and chat template (for runs that generate or train in the Ling 3 format)."""
+    from areal.utils.tiny_model import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-ling3"), seed=0, tokenizer="ling3")
+
+
 # GPU tests skip without CUDA; with CI set, any other skip fails (see tests/skip_policy.py).
 from tests.skip_policy import (  # noqa: E402, F401
     pytest_collection_modifyitems,

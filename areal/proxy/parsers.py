@@ -1,4 +1,4 @@
-"""Split reasoning off generated text and parse tool calls out of it (Qwen JSON and XML formats).
+"""Split reasoning off generated text and parse tool calls out of it (Qwen, Ling 3 formats).
 
 Natively handled formats:
 
@@ -10,9 +10,17 @@ Natively handled formats:
 
       <tool_call><function=f><parameter=x>1</parameter></function></tool_call>
 
-Any other parser name is delegated to SGLang's parsers when ``sglang`` is importable. Tool
-arguments always leave this module as ``dump_arguments(<object>)`` so that the proxy's own
-conversions of arguments (string -> object -> string) are byte-exact round trips.
+* GLM-4.5-style XML (``ling3``, in :mod:`areal.proxy.ling3`; reasoning ``ling3`` too)::
+
+      <tool_call>f
+      <arg_key>x</arg_key><arg_value>1</arg_value>
+      </tool_call>
+
+Any other parser name is delegated to SGLang's parsers when ``sglang`` is importable; the
+names SGLang 0.5.23 registers are listed here, so that a config naming neither is refused at
+load time without importing SGLang. Tool arguments always leave this module as
+``dump_arguments(<object>)`` so that the proxy's own conversions of arguments (string ->
+object -> string) are byte-exact round trips.
 """
 
 from __future__ import annotations
@@ -22,11 +30,13 @@ import json
 import math
 import re
 import secrets
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from areal.utils.logging import getLogger
 
 __all__ = [
+    "SGLANG_REASONING_PARSERS",
+    "SGLANG_TOOL_CALL_PARSERS",
     "SUPPORTED_REASONING_PARSERS",
     "SUPPORTED_TOOL_CALL_PARSERS",
     "JsonToolCallParser",
@@ -34,6 +44,7 @@ __all__ = [
     "ToolCall",
     "ToolCallParser",
     "XmlToolCallParser",
+    "check_parser_name",
     "dump_arguments",
     "get_reasoning_parser",
     "get_reasoning_parser_or_none",
@@ -50,11 +61,34 @@ ToolCall = dict[str, Any]
 
 _JSON_TOOL_CALL_PARSERS = ("qwen", "qwen25", "hermes", "qwen3")
 _XML_TOOL_CALL_PARSERS = ("qwen3_coder",)
-SUPPORTED_TOOL_CALL_PARSERS: tuple[str, ...] = _JSON_TOOL_CALL_PARSERS + _XML_TOOL_CALL_PARSERS
+_LING3 = "ling3"
+SUPPORTED_TOOL_CALL_PARSERS: tuple[str, ...] = (
+    _JSON_TOOL_CALL_PARSERS + _XML_TOOL_CALL_PARSERS + (_LING3,)
+)
 # Reasoning parser name -> force_reasoning (DeepSeek-R1 templates open <think> in the prompt).
 _NATIVE_REASONING = {"qwen3": False, "deepseek-r1": True, "deepseek_r1": True}
-SUPPORTED_REASONING_PARSERS: tuple[str, ...] = tuple(_NATIVE_REASONING)
+SUPPORTED_REASONING_PARSERS: tuple[str, ...] = (*_NATIVE_REASONING, _LING3)
 _NO_PARSER = ("", "none")
+# The keys of SGLang 0.5.23's parser registries (FunctionCallParser.ToolCallParserEnum and
+# ReasoningParser.DetectorMap); tests/conformance checks them against the wheel.
+SGLANG_TOOL_CALL_PARSERS: tuple[str, ...] = tuple(
+    """
+    apertus2509 beam cohere_command4 deepseekv3 deepseekv31 deepseekv32 deepseekv4
+    deepseekv41 dots gemma4 gigachat3 gigachat35 glm glm45 glm47 gpt-oss hermes hunyuan
+    inkling interns1 iquest_q1 k2_horizon kimi_k2 kimi_k3 lfm2 ling3 llama3 mimo minicpm5
+    minimax-m2 minimax-m3 mistral muse nanbeige poolside_v1 pythonic qwen qwen25 qwen3_coder
+    response_template spark25 step3 step3p5 trinity
+    """.split()  # noqa: SIM905 - a compact, sorted list
+)
+SGLANG_REASONING_PARSERS: tuple[str, ...] = tuple(
+    """
+    apertus2509 beam cohere_command4 deepseek-r1 deepseek-v3 deepseek-v4 deepseek-v41 dots
+    gemma4 gigachat35 glm45 gpt-oss granite_thinking_parser hunyuan inkling interns1
+    iquest_q1 k2_horizon kimi kimi_k2 kimi_k3 ling3 mimo minimax minimax-append-think
+    minimax-m3 mistral muse nanbeige nemotron_3 poolside_v1 qwen3 qwen3-thinking
+    response_template step3 step3p5
+    """.split()  # noqa: SIM905 - a compact, sorted list
+)
 
 
 def dump_arguments(arguments: Any) -> str:
@@ -287,7 +321,8 @@ class _SGLangToolCallParser:
         self.name = name
 
     def has_tool_call(self, text: str) -> bool:
-        return bool(self._parser_class([], self.name).has_tool_call(text))
+        # The detector itself: since 0.5.23 the parser answers False for a call without tools.
+        return bool(self._parser_class([], self.name).detector.has_tool_call(text))
 
     def parse(self, text: str, tools: list[dict]) -> tuple[list[ToolCall], str]:
         from sglang.srt.entrypoints.openai.protocol import Function, Tool
@@ -312,7 +347,7 @@ class _SGLangReasoningParser(ReasoningParser):
     """SGLang's reasoning detector; its think tokens locate the block for ``split_inline``."""
 
     def __init__(self, name: str) -> None:
-        from sglang.srt.reasoning_parser import ReasoningParser as SGLangReasoningParser
+        from sglang.srt.parser.reasoning_parser import ReasoningParser as SGLangReasoningParser
 
         self._parser = SGLangReasoningParser(model_type=name, stream_reasoning=False)
         detector = self._parser.detector
@@ -335,8 +370,33 @@ def _require_sglang(kind: str, name: str, supported: tuple[str, ...]) -> None:
         )
 
 
+def check_parser_name(kind: Literal["tool call", "reasoning"], name: str | None) -> None:
+    """Raise ``ValueError`` unless ``name`` is a parser of ``kind`` (``"tool call"`` or
+    ``"reasoning"``) the proxy can load: native, SGLang 0.5.23's, or none."""
+    if name is None or name.lower() in _NO_PARSER:
+        return
+    if kind == "tool call":
+        native, sglang, known = SUPPORTED_TOOL_CALL_PARSERS, SGLANG_TOOL_CALL_PARSERS, name
+    elif kind == "reasoning":  # SGLang looks reasoning names up in lower case
+        native, sglang, known = SUPPORTED_REASONING_PARSERS, SGLANG_REASONING_PARSERS, name.lower()
+    else:
+        raise ValueError(f"unknown parser kind {kind!r}")
+    if name in native or known in sglang:
+        return
+    others = [n for n in sglang if n not in native]
+    raise ValueError(
+        f"{name!r} is not a {kind} parser the proxy knows; native: {', '.join(native)}; "
+        f"through SGLang 0.5.23 (sglang installed beside the proxy): {', '.join(others)}; "
+        "or 'none' for no parsing"
+    )
+
+
 def get_reasoning_parser(name: str) -> ReasoningParser:
     """The reasoning parser called ``name`` (native, else SGLang's)."""
+    if name == _LING3:
+        from areal.proxy.ling3 import Ling3ReasoningParser  # it builds on this module
+
+        return Ling3ReasoningParser()
     if name in _NATIVE_REASONING:
         return ReasoningParser(force_reasoning=_NATIVE_REASONING[name])
     _require_sglang("reasoning", name, SUPPORTED_REASONING_PARSERS)
@@ -356,6 +416,10 @@ def get_tool_call_parser(name: str) -> ToolCallParser:
         return JsonToolCallParser()
     if name in _XML_TOOL_CALL_PARSERS:
         return XmlToolCallParser()
+    if name == _LING3:
+        from areal.proxy.ling3 import Ling3ToolCallParser  # it builds on this module
+
+        return Ling3ToolCallParser()
     _require_sglang("tool call", name, SUPPORTED_TOOL_CALL_PARSERS)
     return _SGLangToolCallParser(name)
 

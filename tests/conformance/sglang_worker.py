@@ -10,7 +10,8 @@ JSON line on the protocol pipe (the original stdout; SGLang's own prints go to s
 Requests: ``info``, ``route`` (a body through SGLang's FastAPI app, recorded by a stub
 tokenizer manager), ``sampling`` (``SamplingParams(**params)`` plus ``normalize``/``verify``),
 ``parse_args`` (SGLang's CLI parser), ``ranks_start``/``ranks_wait`` (forked processes that
-join a weight-update group with SGLang's model-runner code and receive broadcasts).
+join a weight-update group with SGLang's model-runner code and receive broadcasts), and the
+parser requests of :mod:`tests.conformance.parser_probe`.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 
 from tests.conformance.group_ranks import TENSORS, digest, make_tensor  # noqa: E402
+from tests.conformance.parser_probe import HANDLERS as PARSER_HANDLERS  # noqa: E402
 
 VOCAB_SIZE = 151936  # any vocabulary larger than the token ids the tests send
 
@@ -419,6 +421,7 @@ _HANDLERS = {
     "cuda_graph_config": cuda_graph_config,
     "ranks_start": ranks_start,
     "ranks_wait": ranks_wait,
+    **PARSER_HANDLERS,
 }
 
 

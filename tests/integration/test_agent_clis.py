@@ -10,6 +10,8 @@ the tokens the engine saw and produced.
 
 The tool round trip has the engine answer with a Qwen-style ``<tool_call>`` until the
 prompt holds a tool result; the CLI must run the shell command and send its output back.
+The Ling 3 round trip does the same in Flash V3's format: the tiny Ling 3 tokenizer, the
+``ling3`` parsers, and a think block plus a ``<arg_key>``/``<arg_value>`` call.
 """
 
 from __future__ import annotations
@@ -49,6 +51,15 @@ CLAUDE_TOOL_CALL = {
     "arguments": {"command": "echo hi > out.txt", "description": "write"},
 }
 CODEX_TOOL_CALL = {"name": "exec_command", "arguments": {"cmd": "echo hi > out.txt"}}
+# The same Bash call as Ling 3 writes it (timeout typed by Claude Code's schema), and the
+# reply once the tool ran.
+LING3_TOOL_CALL = (
+    "<think>\nI will write the file.\n</think>\n<tool_call>Bash\n"
+    "<arg_key>command</arg_key>\n<arg_value>echo hi > out.txt</arg_value>\n"
+    "<arg_key>description</arg_key>\n<arg_value>write</arg_value>\n"
+    "<arg_key>timeout</arg_key>\n<arg_value>10000</arg_value>\n</tool_call>"
+)
+LING3_REPLY = f"<think>\nThe file is written.\n</think>\n{REPLY_TEXT}"
 
 
 class ScriptedEngine:
@@ -101,6 +112,14 @@ class ScriptedEngine:
 
     def resume(self) -> None:
         pass
+
+
+class Ling3ScriptedEngine(ScriptedEngine):
+    """Writes :data:`LING3_TOOL_CALL` until the prompt holds a tool result, then
+    :data:`LING3_REPLY`."""
+
+    def _reply_text(self, input_ids: list[int]) -> str:
+        return LING3_REPLY if self.tool_response_id in input_ids else LING3_TOOL_CALL
 
 
 # --- helpers ---
@@ -158,13 +177,15 @@ def decode_tensor(entry: dict[str, Any]) -> np.ndarray:
     return data.reshape(entry["shape"])
 
 
-def make_proxy(tokenizer: Any, engine: ScriptedEngine) -> ProxyServer:
+def make_proxy(
+    tokenizer: Any, engine: ScriptedEngine, tool_parser: str = "qwen25", reasoning: str = "qwen3"
+) -> ProxyServer:
     return ProxyServer(
         engine,
         tokenizer,
         ADMIN_KEY,
-        tool_call_parser=get_tool_call_parser("qwen25"),
-        reasoning_parser=get_reasoning_parser("qwen3"),
+        tool_call_parser=get_tool_call_parser(tool_parser),
+        reasoning_parser=get_reasoning_parser(reasoning),
         engine_max_tokens=ENGINE_MAX_TOKENS,
     )
 
@@ -279,6 +300,57 @@ def test_claude_code_tool_round_trip(tokenizer: Any, tmp_path: Path) -> None:
         assert [m["role"] for m in second.messages].count("tool") == 1
         exported = end_and_export(url, session_id, session_key)
     assert len(exported) == 2
+
+
+def test_claude_code_ling3_tool_round_trip(ling3_tokenizer: Any, tmp_path: Path) -> None:
+    claude = cli_path("claude", "AREAL_CLAUDE_BIN")
+    engine = Ling3ScriptedEngine(ling3_tokenizer)
+    server = make_proxy(ling3_tokenizer, engine, "ling3", "ling3")
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    with serve(server.app) as url:
+        session_id, session_key = start_session(url, "claude-ling3")
+        result = run_cli(
+            [
+                str(claude),
+                "-p",
+                "write hi to out.txt",
+                "--model",
+                "some-model",
+                "--output-format",
+                "json",
+                "--allowedTools",
+                "Bash",
+            ],
+            claude_env(home, url, session_key),
+            work,
+        )
+        report = json.loads(result.stdout)
+        assert REPLY_TEXT in report["result"], report
+        assert report["num_turns"] == 2, report
+        assert (work / "out.txt").read_text() == "hi\n"  # the CLI ran the parsed call
+        check_recorded(server, session_id, engine, 2)
+        first, second = server.store.get(session_id).cache.values()
+        (call,) = first.output_message_list[0]["tool_calls"]
+        arguments = json.loads(call["function"]["arguments"])
+        assert call["function"]["name"] == "Bash"
+        assert arguments == {
+            "command": "echo hi > out.txt",
+            "description": "write",
+            "timeout": 10000,
+        }
+        assert not isinstance(arguments["timeout"], str)
+        # Claude Code echoed the thinking block and the tool_use, then sent the tool_result
+        assert second.parent is first
+        (result_message,) = [m for m in second.messages if m["role"] == "tool"]
+        assert result_message["tool_call_id"] == call["id"]
+        exported = end_and_export(url, session_id, session_key)
+    assert len(exported) == 2
+    for interaction, received, sent, text in zip(
+        exported, engine.received, engine.sent, [LING3_TOOL_CALL, LING3_REPLY], strict=True
+    ):
+        assert sent == engine.reply_tokens(text)  # the Ling 3 text, token for token
+        check_exported(interaction, received, sent)
 
 
 # --- Codex: streaming /v1/responses ---

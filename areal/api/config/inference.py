@@ -11,6 +11,7 @@ from typing import Any
 from areal.api.config.fields import MISSING, ConfigNode, FieldError, cfg_field
 from areal.api.config.scheduling import RPC_SERVER_CMD, SchedulingSpec, SchedulingStrategy
 from areal.api.config.train import parse_backend
+from areal.proxy.parsers import check_parser_name
 from areal.utils.command import get_py_cmd
 
 __all__ = [
@@ -130,8 +131,15 @@ class AgentConfig(ConfigNode):
     mode: str = cfg_field(
         "inline", help="Where agents run.", choices=("inline", "subproc", "online")
     )
-    tool_call_parser: str = cfg_field("qwen", help="Parser for tool calls in completions.")
-    reasoning_parser: str = cfg_field("qwen3", help="Parser splitting reasoning from content.")
+    tool_call_parser: str = cfg_field(
+        "qwen",
+        help="Parser for tool calls in completions: a native one (areal.proxy.parsers), "
+        "another that SGLang registers (needs sglang beside the proxy), or 'none'.",
+    )
+    reasoning_parser: str = cfg_field(
+        "qwen3",
+        help="Parser splitting reasoning from content; names as for tool_call_parser.",
+    )
     chat_template_type: str = cfg_field(
         "hf",
         help="Render every turn with the HF template, or concatenate turns.",
@@ -174,6 +182,11 @@ class AgentConfig(ConfigNode):
     def validate(self) -> None:
         if self.mode == "online" and not self.agent_cls_path.strip():
             raise FieldError("agent_cls_path", "is required when mode is 'online'")
+        for field, kind in (("tool_call_parser", "tool call"), ("reasoning_parser", "reasoning")):
+            try:  # the proxy would refuse the name only when it starts, deep into the run
+                check_parser_name(kind, getattr(self, field))
+            except ValueError as error:
+                raise FieldError(field, str(error)) from None
         if len(self.scheduling_spec) != 1:
             raise FieldError("scheduling_spec", "must have exactly one entry")
         if self.set_reward_finish_timeout < 0:

@@ -16,7 +16,8 @@ Schema (every section optional; unknown keys are rejected)::
         status: PUBLISHED             # PUBLISHED (default) or DRAFT
         protocol: chat_completions    # required, one of LLM_PROTOCOLS
         kind: answer                  # required: a kind of HARNESS_KINDS
-        options: {max_tokens: 128}    # optional mapping, read by the harness
+        options: {max_tokens: 128}    # optional mapping, read by the harness (tool_agent:
+                                      # toolset default or claude-code)
     rewards:                          # list; key@version unique
       - key: exact-match              # required
         version: 1.0.0                # required
@@ -53,6 +54,7 @@ import yaml
 
 from examples.swe.local_arena.faults import FaultConfig, FaultError
 from examples.swe.local_arena.graders import GRADERS, validate_grading, validate_options
+from examples.swe.local_arena.harnesses.builtin import TOOLSETS
 from examples.swe.local_arena.types import (
     LLM_PROTOCOLS,
     Catalog,
@@ -241,6 +243,11 @@ def _harness_options(source: _Source, path: str, entry: dict[str, Any]) -> dict[
     bad = isinstance(turns, bool) or not isinstance(turns, int) or not 1 <= turns <= 100
     if entry["kind"] == "multi_turn" and turns is not None and bad:
         source.fail(f"{path}.options.turns", f"must be an integer in [1, 100], got {turns!r}")
+    toolset = options.get("toolset")
+    if entry["kind"] == "tool_agent" and toolset is not None and toolset not in TOOLSETS:
+        source.fail(
+            f"{path}.options.toolset", f"must be one of {', '.join(TOOLSETS)}, got {toolset!r}"
+        )
     return options
 
 

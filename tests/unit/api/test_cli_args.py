@@ -183,6 +183,15 @@ def test_validation_error_names_nested_path(conf_dir):
         load(conf_dir / "base.yaml", "+actor.rejection_sampling.upper=0.5")
 
 
+@pytest.mark.parametrize("field", ["tool_call_parser", "reasoning_parser"])
+def test_unknown_parser_name_is_refused_at_load(conf_dir, field):
+    pattern = rf"^rollout\.agent\.{field}: 'ling-3' is not a .* parser.*native: .*ling3"
+    with pytest.raises(ConfigError, match=pattern):
+        load(conf_dir / "base.yaml", f"rollout.agent.{field}=ling-3")
+    cfg = load(conf_dir / "base.yaml", f"rollout.agent.{field}=ling3")
+    assert getattr(cfg.rollout.agent, field) == "ling3"
+
+
 def test_missing_required_value(conf_dir):
     with pytest.raises(ConfigError, match=r"'actor\.backend' is required"):
         load(conf_dir / "base.yaml", "~actor.backend")

@@ -312,6 +312,23 @@ def test_agent_config_rules():
         AgentConfig(set_reward_finish_timeout=-1)
 
 
+def test_agent_parser_names_are_checked():
+    # native, SGLang 0.5.23's (SGLang reads reasoning names in lower case) and none
+    AgentConfig(tool_call_parser="ling3", reasoning_parser="ling3")
+    AgentConfig(tool_call_parser="glm45", reasoning_parser="Kimi")
+    AgentConfig(tool_call_parser="none", reasoning_parser="")
+    with pytest.raises(FieldError) as error:
+        AgentConfig(tool_call_parser="ling-3")
+    message = str(error.value)
+    assert message.startswith("tool_call_parser: 'ling-3' is not a tool call parser")
+    assert "native: qwen, qwen25, hermes, qwen3, qwen3_coder, ling3;" in message
+    assert "through SGLang 0.5.23" in message and "glm45, glm47" in message
+    with pytest.raises(FieldError, match=r"^reasoning_parser: 'qwen-3' is not a reasoning"):
+        AgentConfig(reasoning_parser="qwen-3")
+    with pytest.raises(FieldError, match=r"^tool_call_parser: 'Qwen25'"):  # exact case
+        AgentConfig(tool_call_parser="Qwen25")
+
+
 def test_generation_rules():
     with pytest.raises(FieldError, match="n_samples"):
         GenerationHyperparameters(n_samples=0)

@@ -123,7 +123,7 @@ def test_reasoning_split_inline_head_plus_tail_is_text() -> None:
 
 
 def test_reasoning_parser_registry() -> None:
-    assert SUPPORTED_REASONING_PARSERS == ("qwen3", "deepseek-r1", "deepseek_r1")
+    assert SUPPORTED_REASONING_PARSERS == ("qwen3", "deepseek-r1", "deepseek_r1", "ling3")
     assert get_reasoning_parser("qwen3").force_reasoning is False
     assert get_reasoning_parser("deepseek-r1").force_reasoning is True
     assert get_reasoning_parser("deepseek_r1").split("r</think>a") == ("r", "a")
@@ -184,7 +184,14 @@ def test_json_has_tool_call_and_registry() -> None:
     for name in ("qwen", "qwen25", "hermes", "qwen3"):
         assert isinstance(get_tool_call_parser(name), JsonToolCallParser)
     assert isinstance(get_tool_call_parser("qwen3_coder"), XmlToolCallParser)
-    assert SUPPORTED_TOOL_CALL_PARSERS == ("qwen", "qwen25", "hermes", "qwen3", "qwen3_coder")
+    assert SUPPORTED_TOOL_CALL_PARSERS == (
+        "qwen",
+        "qwen25",
+        "hermes",
+        "qwen3",
+        "qwen3_coder",
+        "ling3",
+    )
     assert get_tool_call_parser_or_none("none") is None
     assert get_tool_call_parser_or_none("") is None
 

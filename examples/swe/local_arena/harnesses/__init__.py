@@ -6,7 +6,9 @@
 * ``multi_turn``: ``options.turns`` LLM calls, each after an observation message; the last
   reply is the answer (an agent workload without tools, for benchmarks).
 * ``tool_agent``: a short loop in which the model may call ``run_python``, ``bash`` and
-  ``submit``; ``submit`` ends the episode with its argument as the answer.
+  ``submit``; ``submit`` ends the episode with its argument as the answer. With
+  ``options.toolset: claude-code`` the tools are Claude Code's ``Bash`` and ``submit``
+  (the catalog's ``claude-code@builtin-1.0.0``, Claude Code's part without the CLI).
 * ``claude-code`` and ``codex``: the real CLIs (``make agent-clis``), run in ``run.workdir``
   with a throwaway HOME and nothing of this process's environment but PATH.
 
