@@ -1,8 +1,9 @@
 """Training throughput: ``FSDPEngine.train_batch`` versus a plain HF + PyTorch loop.
 
-Both train the same random Qwen2-0.5B-shaped model (bf16 compute, fp32 master weights,
-AdamW) on the same sequences (lengths drawn uniformly from --min-len..--max-len, a
-next-token loss on every token) for --steps timed optimizer steps after a warm-up step:
+Both train the same random Qwen2-0.5B-shaped model (``--shape qwen2-0.5b``, the default;
+bf16 compute, fp32 master weights, AdamW) on the same sequences (lengths drawn uniformly
+from --min-len..--max-len, a next-token loss on every token) for --steps timed optimizer
+steps after a warm-up step:
 
 * engine: sequences packed into varlen micro-batches of at most --engine-mb-tokens tokens,
   per-sequence attention, log-probs in chunks of --logprobs-chunk-size tokens (no
@@ -38,6 +39,28 @@ attention, compiled Triton kernels, other elementwise, ...) and the top kernels.
     python3 bench/train_engine.py --only engine+kernels --engine-mb-tokens 81920
     python3 bench/train_engine.py --engines fsdp,megatron --profile
     python3 bench/train_engine.py --engines fsdp,fsdp+kernels,megatron,megatron+kernels
+
+``--shape ling3-1b``: a random Ling 3 (``BailingMoeV3ForCausalLM``) of about 1.2 B
+parameters, 0.38 B of them active per token: hidden 1024, 16 layers in groups of 4 (three
+KDA linear-attention layers, then one MLA layer), a dense first layer, then MoE layers of
+32 routed experts (top 4, chosen in 2 of 4 groups) plus 1 shared expert, a 157184-token
+vocabulary. The checkpoint carries the small Ling 3 test tokenizer; the bench only feeds
+random ids below the model's vocabulary, so the mismatch is harmless. The plain loop does
+not run for this shape (it measures the dense model). MFU counts active FLOPs only::
+
+    FLOPs per step = 6 x A x T + sum over sequences of 3 x len^2 x mla_layers x heads x
+                     (qk_nope + qk_rope + v_head) + 6 x T x kda_layers x heads x
+                     (3 x d^2 + 64 x 3 x d)
+
+where A counts the active matmul parameters (every weight of two or more dimensions but the
+input embedding, the LM head included, each routed-expert tensor scaled by top-k / experts,
+so only the experts a token is routed to count); the second term is causal MLA scores and
+mixing (forward + backward); the third the KDA recurrence per token and head (d = head_dim):
+the [d, d] state read, correction and update, and the 64-token intra-chunk products.
+
+    python3 bench/train_engine.py --shape ling3-1b --engines fsdp,megatron --steps 2 \
+        --sequences 8 --max-len 4096
+    python3 bench/train_engine.py --shape ling3-1b --count-params   # CPU: build no weights
 """
 
 from __future__ import annotations
@@ -59,6 +82,11 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from areal.utils.table import render_table  # noqa: E402
+from areal.utils.tiny_bailing import (  # noqa: E402
+    TINY_BAILING_SHAPE,
+    build_bailing_model,
+    write_bailing_config,
+)
 from areal.utils.tiny_model import QWEN2_05B_SHAPE, build_tiny_model  # noqa: E402
 from bench.gpu_idle import (  # noqa: E402
     GPU_CATEGORIES,
@@ -99,6 +127,70 @@ def flops_per_step(cfg, seqs: list[torch.Tensor]) -> float:
     tokens = sum(len(s) for s in seqs)
     attention = sum(6 * layers * h * len(s) * len(s) for s in seqs)
     return 6.0 * dense * tokens + attention
+
+
+# --- the Ling 3 shape ---
+
+# config.json keys in the official spelling: the tiny test model's, scaled up
+LING3_1B_SHAPE: dict = {
+    **TINY_BAILING_SHAPE,
+    "vocab_size": 157184,
+    "hidden_size": 1024,
+    "intermediate_size": 4096,  # the dense first layer
+    "moe_intermediate_size": 512,
+    "num_hidden_layers": 16,
+    "layer_group_size": 4,  # layers 3, 7, 11, 15 MLA, the other 12 KDA
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "head_dim": 64,
+    "kv_lora_rank": 256,
+    "qk_nope_head_dim": 64,
+    "qk_rope_head_dim": 32,
+    "v_head_dim": 64,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "n_group": 4,
+    "topk_group": 2,
+    "max_position_embeddings": 32768,
+}
+KDA_CHUNK_FLOPS = 64  # the intra-chunk length that the KDA FLOP count assumes (fla's)
+
+
+def ling3_meta_model(model_dir: Path) -> torch.nn.Module:
+    """The model of ``model_dir/config.json`` on the meta device: shapes only, no memory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir))
+
+
+def ling3_param_counts(model: torch.nn.Module) -> dict[str, int]:
+    """Total parameters, and the active matmul parameters of one token (see the docstring)."""
+    cfg = model.config
+    routed = cfg.num_experts_per_tok / cfg.num_experts
+    total = active = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if p.dim() < 2 or name.endswith("embed_tokens.weight"):
+            continue
+        active += p.numel() * (routed if ".mlp.experts." in name else 1.0)
+    return {"total_params": total, "active_params": int(active)}
+
+
+def ling3_flops_per_step(model: torch.nn.Module, seqs: list[torch.Tensor]) -> float:
+    """6 A T for the active matmuls + causal MLA attention + the KDA recurrence."""
+    cfg = model.config
+    kinds = [type(layer.self_attn).__name__ for layer in model.model.layers]
+    kda_layers = sum(kind == "BailingHybridDeltaAttention" for kind in kinds)
+    mla_layers = len(kinds) - kda_layers
+    heads = cfg.num_attention_heads
+    d = cfg.linear_head_dim
+    tokens = sum(len(s) for s in seqs)
+    active = ling3_param_counts(model)["active_params"]
+    mla_dims = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+    attention = sum(3 * len(s) * len(s) * mla_layers * heads * mla_dims for s in seqs)
+    kda = 6 * tokens * kda_layers * heads * (3 * d * d + KDA_CHUNK_FLOPS * 3 * d)
+    return 6.0 * active * tokens + attention + kda
 
 
 KERNEL_CLASSES = (  # (label, substrings of CUDA kernel names), first match wins
@@ -346,9 +438,35 @@ def run_plain(model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float) -> d
     return result
 
 
+SHAPES = {"qwen2-0.5b": "Qwen2-0.5B-shaped", "ling3-1b": "Ling-3-shaped ~1.2B MoE"}
+
+
+def print_param_counts(shape: str) -> None:
+    """Total and active parameters of ``shape``, from a meta-device model (CPU, no weights)."""
+    if shape == "qwen2-0.5b":
+        raise SystemExit("--count-params: only for --shape ling3-1b")
+    with tempfile.TemporaryDirectory() as tmp:
+        write_bailing_config(Path(tmp), LING3_1B_SHAPE)
+        counts = ling3_param_counts(ling3_meta_model(Path(tmp)))
+    print(f"{shape}: {counts['total_params']:,} parameters, "
+          f"{counts['active_params']:,} active matmul parameters per token")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--shape",
+        choices=list(SHAPES),
+        default="qwen2-0.5b",
+        help="the random model: Qwen2-0.5B-shaped (dense) or a ~1.2B Ling 3 (KDA + MLA + MoE)",
+    )
+    parser.add_argument(
+        "--count-params",
+        action="store_true",
+        help="print the shape's total and active parameter counts (no weights, runs on CPU) "
+        "and exit",
     )
     parser.add_argument("--sequences", type=int, default=16)
     parser.add_argument("--min-len", type=int, default=512)
@@ -398,21 +516,40 @@ def main() -> None:
         help="with --profile: write each column's Python-stack trace there (gzipped JSON)",
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--output",
+        type=Path,
+        default=None,
+        help=f"results JSON (default: {RESULTS.relative_to(ROOT)}, or "
+        "train_engine_<shape>.json beside it for another shape)",
+    )
     args = parser.parse_args()
+    if args.output is None:
+        name = RESULTS.name if args.shape == "qwen2-0.5b" else f"train_engine_{args.shape}.json"
+        args.output = RESULTS.with_name(name)
+    if args.count_params:
+        print_param_counts(args.shape)
+        return
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_engine.py needs a CUDA GPU")
 
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(
-            Path(tmp) / "model", dtype="float32", seed=args.seed, **QWEN2_05B_SHAPE
-        )
+        shape_info: dict = {}
+        if args.shape == "ling3-1b":
+            model_dir = build_bailing_model(Path(tmp) / "model", LING3_1B_SHAPE, seed=args.seed)
+            meta = ling3_meta_model(model_dir)
+            shape_info = ling3_param_counts(meta)
+            print(f"{args.shape}: {shape_info}")
+        else:
+            model_dir = build_tiny_model(
+                Path(tmp) / "model", dtype="float32", seed=args.seed, **QWEN2_05B_SHAPE
+            )
         cfg = AutoConfig.from_pretrained(model_dir)
         seqs = make_batch(args.sequences, args.min_len, args.max_len, cfg.vocab_size, args.seed)
         tokens = sum(len(s) for s in seqs)
-        flops = flops_per_step(cfg, seqs)
+        flops = ling3_flops_per_step(meta, seqs) if shape_info else flops_per_step(cfg, seqs)
         results = {}
         engines = {e.strip() for e in args.engines.split(",") if e.strip()}
         known = {"fsdp", "fsdp+kernels", "megatron", "megatron+kernels"}
@@ -437,6 +574,8 @@ def main() -> None:
                 continue
             if key is not None and key not in engines:
                 continue
+            if key is None and args.shape != "qwen2-0.5b" and args.only != name:
+                continue  # the plain loop is the dense model's baseline
             torch.cuda.reset_peak_memory_stats()
             extra = {}
             if key is not None and args.trace_dir is not None:
@@ -479,8 +618,8 @@ def main() -> None:
     print(
         "\n"
         + render_table(
-            f"Train step, Qwen2-0.5B-shaped, {args.sequences} seqs {args.min_len}-{args.max_len} "
-            f"({tokens} tokens), {device}",
+            f"Train step, {SHAPES[args.shape]}, {args.sequences} seqs "
+            f"{args.min_len}-{args.max_len} ({tokens} tokens), {device}",
             ["loop", "step s", "tokens/s", "MFU", "peak GB", "micro-batches"],
             rows,
         )
@@ -505,6 +644,8 @@ def main() -> None:
             {
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "device": device,
+                "shape": args.shape,
+                **shape_info,
                 "varlen_grouped_kv": grouped_kv,
                 "tokens": tokens,
                 "flops_per_step": flops,

@@ -126,6 +126,15 @@ def ling3_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-ling3"), seed=0, tokenizer="ling3")
 
 
+@pytest.fixture(scope="session")
+def bailing_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Ling 3 (``BailingMoeV3ForCausalLM``) checkpoint: 2 KDA + 2 MLA layers,
+    grouped-router MoE, the Ling 3 tokenizer, official config and weight names."""
+    from areal.utils.tiny_bailing import build_tiny_bailing_model
+
+    return build_tiny_bailing_model(tmp_path_factory.mktemp("tiny-bailing"), seed=0)
+
+
 # GPU tests skip without CUDA; with CI set, any other skip fails (see tests/skip_policy.py).
 from tests.skip_policy import (  # noqa: E402, F401
     pytest_collection_modifyitems,

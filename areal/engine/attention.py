@@ -110,7 +110,7 @@ def _packed_sdpa(
         for s, e in _segment_bounds(cu_seqlens, query.shape[0])
     ]
     if not outs:
-        return torch.empty_like(query)
+        return query.new_empty(*query.shape[:2], value.shape[-1])
     return torch.cat(outs, dim=2)[0].transpose(0, 1)
 
 
@@ -183,7 +183,13 @@ def _packed_varlen(
         elif not _varlen_reads_grouped_kv(query.device, query.dtype):
             key = key.repeat_interleave(n_rep, dim=1)
             value = value.repeat_interleave(n_rep, dim=1)
-    return _call_varlen(query, key, value, cu_seqlens, max_seqlen, kwargs)
+    value_dim = value.shape[-1]
+    if value_dim < query.shape[-1]:
+        # MLA's values are narrower than its queries and keys; flash kernels take one head
+        # size, and zero value columns only add zero output columns, cut off below.
+        value = torch.nn.functional.pad(value, (0, query.shape[-1] - value_dim))
+    out = _call_varlen(query, key, value, cu_seqlens, max_seqlen, kwargs)
+    return out[..., :value_dim]
 
 
 def _call_varlen(query, key, value, cu_seqlens, max_seqlen, kwargs) -> torch.Tensor:
@@ -213,12 +219,13 @@ def packed_causal_attention(
 ) -> torch.Tensor:
     """Causal attention within each segment of a packed stream.
 
-    ``query`` ``[T, Hq, D]``, ``key``/``value`` ``[T, Hkv, D]`` with ``Hq % Hkv == 0`` (GQA:
-    query head ``h`` reads key/value head ``h // (Hq // Hkv)``); ``cu_seqlens`` ``[n + 1]``
-    from 0 to T (checked by the SDPA loop only: the kernel path avoids a host sync).
-    Returns ``[T, Hq, D]``. ``backend="auto"`` takes the varlen kernel for CUDA bf16/fp16
-    inputs when it exists and the exact SDPA loop otherwise. Never traced by
-    ``torch.compile`` (compiled decoder layers call it as an opaque function).
+    ``query``/``key`` ``[T, Hq or Hkv, D]``, ``value`` ``[T, Hkv, Dv]`` with ``Hq % Hkv == 0``
+    (GQA: query head ``h`` reads key/value head ``h // (Hq // Hkv)``) and ``Dv <= D`` (MLA
+    has ``Dv < D``); ``cu_seqlens`` ``[n + 1]`` from 0 to T (checked by the SDPA loop only:
+    the kernel path avoids a host sync). Returns ``[T, Hq, Dv]``. ``backend="auto"`` takes
+    the varlen kernel for CUDA bf16/fp16 inputs when it exists and the exact SDPA loop
+    otherwise. Never traced by ``torch.compile`` (compiled decoder layers call it as an
+    opaque function).
     """
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")

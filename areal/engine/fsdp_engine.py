@@ -4,7 +4,9 @@
   context and pipeline parallelism belong to the Megatron engine).
 * Model: ``AutoModelForCausalLM`` from ``config.path``, master weights in fp32, each
   decoder layer and the root sharded with ``fully_shard``; compute in ``config.dtype``,
-  gradient reduction in ``grad_reduce_dtype``; optional activation checkpointing.
+  gradient reduction in ``grad_reduce_dtype``; optional activation checkpointing. Model
+  families transformers cannot tell sequence boundaries (Ling 3's KDA layers) get a
+  packed-sequence forward from :mod:`areal.models`.
 * Micro-batches: a padded batch is split by token budget (``mb_spec``) into packed
   streams; attention runs per sequence (:mod:`areal.engine.attention`) and next-token
   log-probs come from the final hidden states in chunks (:mod:`areal.engine.logprobs`),
@@ -17,7 +19,8 @@
   (FSDP averages gradients), so one step optimizes the token mean of the global batch;
   the gradient norm is clipped and a non-finite norm skips the step.
 * Checkpoints: HF safetensors (gathered on rank 0, with the tokenizer) and torch DCP
-  (sharded model, optimizer, LR schedule and RNG state).
+  (sharded model, optimizer, LR schedule and RNG state). HF saves and weight updates use
+  the names of the checkpoint the model came from (Ling 3's official names).
 * Weight sync to inference: over disk (every backend) or NCCL broadcast in buckets from
   rank 0 (GPU).
 """
@@ -50,6 +53,12 @@ from areal.engine.train_common import (
     to_dtype,
 )
 from areal.engine.weight_sync import RolloutWeightSync
+from areal.models import (
+    checkpoint_weights,
+    enable_packed_sequences,
+    hf_state_dict,
+    save_pretrained,
+)
 from areal.utils import logging
 from areal.utils.packing import split_padded_tensor_dict_into_mb_list
 
@@ -207,6 +216,7 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             for module in model.modules():
                 if isinstance(module, nn.Dropout):
                     module.p = 0.0
+        enable_packed_sequences(model)
         if cfg.gradient_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -454,7 +464,7 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         state = self._full_state_dict(to_dtype(self.config.dtype))
         if dist.get_rank() == 0:
             Path(path).mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(path, state_dict=state)
+            save_pretrained(self.model, path, state_dict=state, source=self.config.path)
             tokenizer = tokenizer or self.tokenizer
             if tokenizer is not None:
                 tokenizer.save_pretrained(path)
@@ -511,6 +521,7 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             state.update(load_file(str(file)))
         if not state:
             raise FileNotFoundError(f"no *.safetensors weights in {path}")
+        state = hf_state_dict(self.model.config, state)  # a checkpoint may use other names
         set_model_state_dict(
             self.model, state, options=StateDictOptions(full_state_dict=True, strict=False)
         )
@@ -518,7 +529,8 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
     # --- weight sync ---
 
     def _weights_for_inference(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._full_parameters()
+        # under the names the inference server loaded from the checkpoint (SGLang's)
+        return checkpoint_weights(self.model.config, self._full_parameters())
 
     def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full parameters, one at a time (a collective on every rank)."""

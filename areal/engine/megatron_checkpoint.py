@@ -22,6 +22,7 @@ import torch.distributed as dist
 from areal.engine.checkpoint import read_extra_state, write_extra_state
 from areal.engine.megatron_model import unwrap
 from areal.engine.train_common import to_dtype
+from areal.models import bailing
 
 __all__ = ["HF_SHARD_BYTES", "MegatronCheckpointIO"]
 
@@ -93,7 +94,10 @@ class MegatronCheckpointIO:
                 (out / "model.safetensors.index.json").write_text(
                     json.dumps({"metadata": {}, "weight_map": index}, indent=2)
                 )
-            AutoConfig.from_pretrained(self.config.path).save_pretrained(out)
+            hf_config = AutoConfig.from_pretrained(self.config.path)
+            hf_config.save_pretrained(out)
+            if bailing.is_bailing_config(hf_config):  # Ling 3 keeps its official config
+                bailing.write_official_config(out, source=self.config.path)
             with contextlib.suppress(Exception):
                 from transformers import GenerationConfig
 

@@ -44,6 +44,7 @@ __all__ = [
     "patch_bridge_local_norm_names",
     "patch_bridge_rope_theta",
     "patch_foreach_l2_norm",
+    "patch_mla_without_te",
     "patch_moe_router_gemm",
     "patch_packed_rope",
 ]
@@ -120,6 +121,8 @@ def apply_patches(bridge: Any = None) -> None:
         if getattr(bridge.hf_config, "num_experts", None):
             patch_moe_router_gemm()
             patch_bridge_expert_names(bridge)
+        if getattr(getattr(bridge, "config", None), "multi_latent_attention", False):
+            patch_mla_without_te()
         setattr(bridge, _BRIDGE_ADAPTED, True)
     patch_packed_rope()
     patch_foreach_l2_norm()
@@ -224,6 +227,27 @@ def patch_moe_router_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+# --- megatron-core: multi-latent attention without Transformer Engine ---
+
+
+def patch_mla_without_te() -> None:
+    """Set ``multi_latent_attention.HAVE_TE = False`` when its TE classes are stand-ins.
+
+    MLA imports TE's linears from a module that imports without TE and leaves mock objects
+    behind, so it believes TE is present and its ``isinstance(..., TELinear)`` raises while
+    building the layer; without TE it takes the local-module path it has for that case.
+    """
+    _may_patch(
+        "megatron.core.transformer.multi_latent_attention.HAVE_TE",
+        ("megatron-core",),
+        required=True,
+    )
+    from megatron.core.transformer import multi_latent_attention
+
+    if multi_latent_attention.HAVE_TE and not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.HAVE_TE = False
+
+
 # --- megatron-core: rotary embedding for packed streams, without host syncs ---
 
 
@@ -233,6 +257,7 @@ def patch_packed_rope() -> bool:
     Megatron's version copies the segment lengths to the host on every call (twice per
     layer per micro-batch), which left the GPU idle half of a training step. Fused rotary
     (Transformer Engine), context parallelism and YaRN scaling keep Megatron's own path.
+    Multi-latent attention imports the same function under its own name; it is routed too.
     Returns whether the patch is in place.
     """
     if not _may_patch(
@@ -241,7 +266,7 @@ def patch_packed_rope() -> bool:
         required=False,
     ):
         return False
-    from megatron.core.transformer import attention
+    from megatron.core.transformer import attention, multi_latent_attention
 
     original = attention.apply_rotary_pos_emb
     if getattr(original, "_areal_packed", False):
@@ -263,6 +288,8 @@ def patch_packed_rope() -> bool:
 
     apply_rotary_pos_emb._areal_packed = True
     attention.apply_rotary_pos_emb = apply_rotary_pos_emb
+    if multi_latent_attention.apply_rotary_pos_emb is original:
+        multi_latent_attention.apply_rotary_pos_emb = apply_rotary_pos_emb
     return True
 
 

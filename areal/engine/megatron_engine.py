@@ -50,7 +50,9 @@ from areal.engine.logprobs import gather_logprobs, next_token_labels
 from areal.engine.megatron_checkpoint import MegatronCheckpointIO
 from areal.engine.megatron_model import (
     build_megatron_optimizer,
+    clip_grad_norm,
     fp32_lm_head,
+    sequence_parallel_for,
     transformer_overrides,
     unwrap,
 )
@@ -145,13 +147,18 @@ class MegatronEngine(
             self.create_process_group(kwargs.get("parallel_strategy"))
         from mbridge import AutoBridge
 
+        from areal.engine import megatron_bailing  # noqa: F401  (registers the Ling 3 bridge)
+
         cfg = self.config
         if not cfg.path:
             raise ValueError("actor.path must name an HF model directory")
         dtype = to_dtype(cfg.dtype)
         self.bridge = AutoBridge.from_pretrained(cfg.path, dtype=dtype)
         megatron_compat.apply_patches(self.bridge)
-        self.bridge.set_extra_args(**transformer_overrides(cfg, self.device, self.bridge.config))
+        sequence_parallel = sequence_parallel_for(self.bridge, self.parallel.tp_size)
+        self.bridge.set_extra_args(
+            **transformer_overrides(cfg, self.device, self.bridge.config, sequence_parallel)
+        )
         train = cfg.optimizer is not None
         mcfg = cfg.megatron
         ddp = dataclasses.asdict(mcfg.ddp) if hasattr(mcfg.ddp, "__dataclass_fields__") else {}
@@ -405,7 +412,7 @@ class MegatronEngine(
         # one norm computation: clipping returns the norm it clipped by (a non-finite
         # norm leaves nothing worth keeping: the step is skipped and the grads zeroed)
         if clip > 0:
-            grad_norm = float(self.optimizer.clip_grad_norm(clip))
+            grad_norm = clip_grad_norm(self.optimizer, clip)
         else:
             grad_norm = float(self.optimizer.get_grad_norm())
         if found_inf or not math.isfinite(grad_norm):

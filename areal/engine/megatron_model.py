@@ -8,6 +8,7 @@ megatron-core is imported inside functions only.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -18,10 +19,13 @@ from areal.engine.train_common import to_dtype
 
 __all__ = [
     "build_megatron_optimizer",
+    "clip_grad_norm",
     "fp32_lm_head",
     "fusable_activation",
     "fuse_torch_adam",
     "local_layer_spec",
+    "packed_core_attention_class",
+    "sequence_parallel_for",
     "transformer_overrides",
     "unwrap",
 ]
@@ -30,7 +34,8 @@ __all__ = [
 # --- layers: Megatron's local modules, packed attention ---
 
 
-def _packed_core_attention_class():
+@functools.cache
+def packed_core_attention_class():
     """A Megatron core-attention module computing causal attention per packed segment."""
     from megatron.core.transformer.module import MegatronModule
 
@@ -61,12 +66,20 @@ def _packed_core_attention_class():
 
 
 def local_layer_spec(bridge: Any, vp_stage: int | None = None):
-    """mbridge's decoder block spec, built from Megatron's local modules."""
+    """mbridge's decoder block spec, built from Megatron's local modules.
+
+    A bridge with layers GPT's spec does not know (Ling 3's KDA / MLA hybrid) builds its own
+    local spec: its ``local_layer_spec(vp_stage)`` is used instead.
+    """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    own_spec = getattr(bridge, "local_layer_spec", None)
+    if own_spec is not None:
+        return own_spec(vp_stage)
 
     kwargs = {"vp_stage": vp_stage} if vp_stage is not None else {}
     spec = get_gpt_decoder_block_spec(bridge.config, use_transformer_engine=False, **kwargs)
-    attention_cls = _packed_core_attention_class()
+    attention_cls = packed_core_attention_class()
     for layer in spec.layer_specs:
         layer.submodules.self_attention.submodules.core_attention = attention_cls
     return spec
@@ -75,13 +88,25 @@ def local_layer_spec(bridge: Any, vp_stage: int | None = None):
 # --- TransformerConfig ---
 
 
+def sequence_parallel_for(bridge: Any, tp_size: int) -> bool:
+    """Whether the model runs with sequence parallelism: at ``tp_size > 1`` for bridges that
+    ask for it (``sequence_parallel_with_tp``, Ling 3: Megatron trains MoE layers under
+    tensor parallelism only with it, and its local norms refuse it, so such a bridge builds
+    its own). Every other model keeps it off."""
+    return tp_size > 1 and bool(getattr(bridge, "sequence_parallel_with_tp", False))
+
+
 def transformer_overrides(
-    config: TrainEngineConfig, device: torch.device, model_config: Any
+    config: TrainEngineConfig,
+    device: torch.device,
+    model_config: Any,
+    sequence_parallel: bool = False,
 ) -> dict[str, Any]:
     """``TransformerConfig`` fields the engine sets on top of mbridge's mapping.
 
     ``model_config`` is the bridge's ``TransformerConfig`` (its activation decides whether
-    Megatron's fused bias-activation applies).
+    Megatron's fused bias-activation applies); ``sequence_parallel`` comes from
+    :func:`sequence_parallel_for`.
     """
     mcfg = config.megatron
     extra: dict[str, Any] = {
@@ -92,8 +117,8 @@ def transformer_overrides(
         "apply_rope_fusion": False,
         "gradient_accumulation_fusion": False,
         "persist_layer_norm": False,
-        # the local (non-Transformer-Engine) norms cannot split the sequence over TP
-        "sequence_parallel": False,
+        # Megatron's local (non-Transformer-Engine) norms cannot split the sequence over TP
+        "sequence_parallel": sequence_parallel,
         "deterministic_mode": mcfg.use_deterministic_algorithms,
         "moe_token_dispatcher_type": mcfg.moe_token_dispatcher_type,
         "moe_router_dtype": mcfg.moe_router_dtype,
@@ -203,6 +228,32 @@ def build_megatron_optimizer(config: TrainEngineConfig, model: list[torch.nn.Mod
     no_sync = [chunk.no_sync for chunk in model]
     model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     return optimizer
+
+
+def clip_grad_norm(optimizer: Any, max_norm: float) -> float:
+    """Clip the gradients by their total norm over every parameter; returns that norm.
+
+    Megatron's ``clip_grad_norm`` needs a single inner optimizer, and a chained one (expert
+    parameters apart from dense ones) has several: each part is clipped by the chain's total
+    norm, as Megatron's own ``ChainedOptimizer.step`` does.
+    """
+    parts = getattr(optimizer, "chained_optimizers", None)
+    if parts is None or len(parts) == 1:
+        return float(optimizer.clip_grad_norm(max_norm))
+    from megatron.core.optimizer import optimizer as mcore_optimizer
+
+    total = float(optimizer.get_grad_norm())
+    for part in parts:
+        params = part.get_parameters()
+        if not params or getattr(part, "is_stub_optimizer", False):
+            continue
+        mcore_optimizer.clip_grad_by_total_norm_fp32(
+            params,
+            max_norm=max_norm,
+            total_norm=total,
+            use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+        )
+    return total
 
 
 def fuse_torch_adam(optimizer: Any) -> int:

@@ -1,10 +1,12 @@
 """A running batch for continuous batching on a ``transformers`` causal LM.
 
-Rows are left-padded: the KV cache is ``[B, heads, L, dim]`` per layer and a ``[B, L]``
-attention mask marks real positions. New requests are prefilled as their own group and
-merged in (both sides left-padded to the longer length); finished rows are dropped and
-columns that became padding for every row are trimmed. Positions come from the mask, so
-padding never shifts RoPE.
+Rows are left-padded: the KV cache is ``[B, heads, L, dim]`` per attention layer and a
+``[B, L]`` attention mask marks real positions. New requests are prefilled as their own
+group and merged in (both sides left-padded to the longer length); finished rows are
+dropped and columns that became padding for every row are trimmed. Positions come from the
+mask, so padding never shifts RoPE. Linear-attention layers of hybrid models keep one
+recurrent and one conv state per row, merged and dropped with the rows
+(:mod:`areal.inference.cache_rows`).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 import inspect
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache
 
-__all__ = ["RunningBatch", "cache_kwarg"]
+from areal.inference.cache_rows import append_rows, select_rows
+
+__all__ = ["RunningBatch", "cache_kwarg", "prefill_inputs"]
 
 
 def cache_kwarg(model: torch.nn.Module) -> str:
@@ -23,31 +27,19 @@ def cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _pad_left(t: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    missing = length - t.shape[dim]
+def _pad_left(t: torch.Tensor, length: int) -> torch.Tensor:
+    """``[B, L]`` → ``[B, length]``, zeros in front."""
+    missing = length - t.shape[1]
     if missing <= 0:
         return t
-    shape = list(t.shape)
-    shape[dim] = missing
-    return torch.cat([t.new_zeros(shape), t], dim=dim)
-
-
-def _new_cache(layers: list[tuple[torch.Tensor, torch.Tensor]]) -> DynamicCache:
-    cache = DynamicCache()
-    for index, (keys, values) in enumerate(layers):
-        cache.update(keys, values, index)
-    return cache
-
-
-def _layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return [(layer.keys, layer.values) for layer in cache.layers]
+    return torch.cat([t.new_zeros(t.shape[0], missing), t], dim=1)
 
 
 class RunningBatch:
     """KV cache, attention mask and the pending next token of every running row."""
 
     def __init__(self) -> None:
-        self.cache: DynamicCache | None = None
+        self.cache: Cache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] of 0/1
         self.next_tokens: torch.Tensor | None = None  # [B], sampled but not yet fed
 
@@ -62,21 +54,14 @@ class RunningBatch:
     def clear(self) -> None:
         self.cache = self.mask = self.next_tokens = None
 
-    def merge(self, cache: DynamicCache, mask: torch.Tensor, next_tokens: torch.Tensor) -> None:
-        """Append rows (a freshly prefilled group) to the batch."""
+    def merge(self, cache: Cache, mask: torch.Tensor, next_tokens: torch.Tensor) -> None:
+        """Append rows (a freshly prefilled group) to the batch; takes ``cache`` over."""
         if self.size == 0:
             self.cache, self.mask, self.next_tokens = cache, mask, next_tokens
             return
         length = max(self.length, mask.shape[1])
-        merged = [
-            (
-                torch.cat([_pad_left(k1, length, 2), _pad_left(k2, length, 2)], 0),
-                torch.cat([_pad_left(v1, length, 2), _pad_left(v2, length, 2)], 0),
-            )
-            for (k1, v1), (k2, v2) in zip(_layers(self.cache), _layers(cache))
-        ]
-        self.cache = _new_cache(merged)
-        self.mask = torch.cat([_pad_left(self.mask, length, 1), _pad_left(mask, length, 1)], 0)
+        append_rows(self.cache, cache, length)
+        self.mask = torch.cat([_pad_left(self.mask, length), _pad_left(mask, length)], 0)
         self.next_tokens = torch.cat([self.next_tokens, next_tokens])
 
     def keep(self, rows: list[int]) -> None:
@@ -91,12 +76,7 @@ class RunningBatch:
         start = int((mask.sum(0) > 0).nonzero()[0])
         self.mask = mask[:, start:]
         self.next_tokens = self.next_tokens.index_select(0, index)
-        self.cache = _new_cache(
-            [
-                (k.index_select(0, index)[:, :, start:], v.index_select(0, index)[:, :, start:])
-                for k, v in _layers(self.cache)
-            ]
-        )
+        select_rows(self.cache, index, start, self.length)
 
     def decode_inputs(self) -> dict[str, torch.Tensor]:
         """Forward() arguments that feed every row's pending token."""

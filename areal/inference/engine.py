@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import DynamicCache
 
+from areal import models
 from areal.inference.batch import RunningBatch, cache_kwarg, prefill_inputs
+from areal.inference.cache_rows import new_cache
 from areal.inference.errors import RequestError, SequenceError, settle
 from areal.inference.sampling import SamplingParams, SamplingParamsError, sample_tokens
 from areal.inference.weight_group import JOIN_TIMEOUT_S
@@ -103,6 +104,7 @@ class GenerationEngine(WeightUpdates):
             dtype = "bfloat16" if self.device.type == "cuda" else "float32"
         self.dtype = getattr(torch, dtype)
         torch.manual_seed(seed)
+        models.register()  # model families transformers does not resolve on its own
         config = AutoConfig.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_path, dtype=self.dtype, attn_implementation="sdpa"
@@ -348,7 +350,7 @@ class GenerationEngine(WeightUpdates):
     def _prefill(self, group: list[_Sequence]) -> None:
         """Prefill ``group`` together and merge it into the running batch."""
         inputs = prefill_inputs([s.request.input_ids for s in group], self.device)
-        cache = DynamicCache()
+        cache = new_cache(self.model)
         try:
             out = self.model(**inputs, **{self._cache_kw: cache}, use_cache=True)
         except Exception as e:

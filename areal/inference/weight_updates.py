@@ -6,6 +6,12 @@ trainer's weight-update group to receive its broadcasts.
 and never race a forward pass. Joining a group waits on the network, so only its start and
 its end are commands: the join itself runs on its own threads, bounded by
 ``weight_group_timeout``, and generation goes on meanwhile (:meth:`join_weight_group`).
+
+Both paths take tensors under the served model's own (``state_dict``) names or under its
+checkpoint's official names, which differ for Ling 3 (:mod:`areal.models`): a checkpoint
+on disk is converted as a whole; a broadcast tensor under an official name is copied into
+the part of the model's tensor it is a slice of (a fused expert or convolution tensor may
+arrive over several buckets).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from typing import Any
 
 import torch
 
+from areal import models
 from areal.inference.errors import RequestError, settle
 from areal.inference.weight_group import (
     BROADCAST_TIMEOUT_S,
@@ -92,6 +99,10 @@ class WeightUpdates:
         self, model_path: str, abort_all_requests: bool = True
     ) -> dict[str, Any]:
         state = _read_state_dict(Path(model_path), self.device)
+        try:
+            state = models.hf_state_dict(self.model.config, state)
+        except ValueError as e:  # an official checkpoint with a part of a tensor missing
+            raise RequestError(f"checkpoint in model_path is incomplete: {e}", "model_path") from e
         current = self.model.state_dict()
         missing = sorted(k for k in set(current) - set(state) if not _is_tied(self.model, k))
         if missing:
@@ -100,20 +111,28 @@ class WeightUpdates:
         self.model_path = str(model_path)
         return {"success": True, "message": "Succeeded to update model weights."}
 
-    def _load_tensors(self, state: dict[str, torch.Tensor], abort_all_requests: bool) -> None:
-        """Copy ``state`` (all or part of the model's tensors) into the served model."""
+    def _weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every tensor a weight update may write, by name: the model's ``state_dict``
+        names, and its checkpoint's official names (slices of the same storage)."""
         current = self.model.state_dict()
-        unknown = sorted(set(state) - set(current))
+        targets = dict(models.checkpoint_weights(self.model.config, current.items()))
+        return {**targets, **current}
+
+    def _load_tensors(self, state: dict[str, torch.Tensor], abort_all_requests: bool) -> None:
+        """Copy ``state`` (all or part of the model's tensors, under either kind of name)
+        into the served model."""
+        targets = self._weight_targets()
+        unknown = sorted(set(state) - set(targets))
         if unknown:
             raise RequestError(f"checkpoint has tensors the served model lacks: {unknown[:5]}")
         for name, tensor in state.items():
-            if current[name].shape != tensor.shape:
+            if targets[name].shape != tensor.shape:
                 raise RequestError(f"shape mismatch for {name}: {tuple(tensor.shape)}")
         if abort_all_requests:
             self._abort_all("Abort in-flight requests (weight update)", include_waiting=False)
         with torch.no_grad():
             for name, tensor in state.items():
-                current[name].copy_(tensor)
+                targets[name].copy_(tensor)
         if self._running:  # cached keys/values come from the old weights
             logger.info("weights updated with %d requests still running", len(self._running))
 
@@ -186,9 +205,9 @@ class WeightUpdates:
             raise RequestError(f"no weight-update group {group_name!r}; init it first")
         if not len(names) == len(dtypes) == len(shapes):
             raise RequestError("names, dtypes and shapes must have the same length", "names")
-        current = self.model.state_dict()
+        targets = self._weight_targets()
         for name, shape in zip(names, shapes, strict=True):
-            if name not in current or tuple(current[name].shape) != tuple(shape):
+            if name not in targets or tuple(targets[name].shape) != tuple(shape):
                 # a wrong spec would leave the trainer blocked in its broadcast: refuse
                 # before receiving, so the trainer's HTTP call fails instead
                 raise RequestError(f"tensor {name!r} of shape {shape} is not in the model")

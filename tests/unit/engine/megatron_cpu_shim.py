@@ -84,6 +84,15 @@ def _clip_grads_on_cpu(
                 grad.detach().mul_(coeff)
 
 
+def _splits_on_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """Megatron's ``maybe_move_tensor_to_cpu`` for host tensors: numpy when asked."""
+    del record_stream
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
 def _patch(owner: Any, name: str, value: Any) -> None:
     _SAVED.append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
@@ -131,6 +140,11 @@ def apply() -> None:
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     _patch(MoEAlltoAllTokenDispatcher, "cuda_dtoh_stream", _HOST_STREAM)
+    # ... and hands the split sizes to all_to_all as numpy arrays, converting only CUDA
+    # tensors: with expert parallelism on CPU they must be converted as well
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _patch(token_dispatcher, "maybe_move_tensor_to_cpu", _splits_on_host)
     _patch(torch.cuda, "current_stream", lambda device=None: _HOST_STREAM)
     _patch(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
 

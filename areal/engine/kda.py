@@ -1,0 +1,180 @@
+"""Kimi Delta Attention (KDA) on packed token streams, in plain torch.
+
+KDA is the linear attention of Ling 3's hybrid layers: a gated delta rule whose forget gate
+decays every key dimension separately. Per head, with a state ``S`` of ``[Dk, Dv]`` and for
+each token ``t`` (``q``, ``k`` L2-normalised, ``q`` scaled by ``Dk ** -0.5``)::
+
+    S <- diag(exp(g_t)) S                       # forget, per key dimension
+    u_t = beta_t * (v_t - S^T k_t)              # delta-rule correction
+    S <- S + k_t u_t^T
+    o_t = S^T q_t
+
+Training packs several sequences into one ``[T]`` stream (``cu_seqlens``, as the rest of the
+engine does); the state and the short causal convolution in front of it restart at every
+segment start. :func:`chunked_kda` computes the recurrence chunk by chunk: inside a chunk the
+corrections solve a unit lower-triangular system, and only the ``[Dk, Dv]`` state crosses
+chunk boundaries, so a sequence costs ``T / C`` sequential steps instead of ``T``.
+
+Everything here is differentiable torch (CPU or GPU); ``fla``'s Triton kernels are the fast
+path on GPUs and are not required.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+from torch.nn import functional
+
+__all__ = [
+    "KDA_CHUNK",
+    "chunked_kda",
+    "gated_rms_norm",
+    "kda_forget_gate",
+    "l2_normalize",
+    "packed_causal_conv1d",
+    "segment_positions",
+]
+
+# Chunk length of the chunked recurrence. Intra-chunk work holds a [C, C, Dk] decay tensor
+# per chunk and head, so memory grows with C; the sequential steps shrink with it.
+KDA_CHUNK = 32
+
+
+def segment_positions(cu_seqlens: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's segment index and position inside it, both ``[T]`` long, on the device.
+
+    ``cu_seqlens`` ``[n + 1]`` runs from 0 to ``n_tokens``; empty segments are allowed.
+    """
+    bounds = cu_seqlens.to(dtype=torch.long)
+    index = torch.arange(n_tokens, device=bounds.device)
+    segment = torch.searchsorted(bounds[1:].contiguous(), index, right=True)
+    return segment, index - bounds[segment]
+
+
+def packed_causal_conv1d(
+    x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor
+) -> torch.Tensor:
+    """Depthwise causal convolution of each packed segment, in float32.
+
+    ``x`` ``[T, C]``, ``weight`` ``[C, 1, K]`` (a ``Conv1d(groups=C)`` kernel, tap ``K - 1``
+    on the current token), ``cu_seqlens`` ``[n + 1]``. Returns ``[T, C]`` float32: token
+    ``t`` sees ``x[t - K + 1 .. t]`` of its own segment only (earlier taps read zeros).
+    """
+    taps = weight.shape[-1]
+    kernel = weight.reshape(weight.shape[0], taps).float()
+    x = x.float()
+    _, position = segment_positions(cu_seqlens, x.shape[0])
+    out = x * kernel[:, taps - 1]
+    for lag in range(1, taps):
+        shifted = (
+            functional.pad(x[:-lag], (0, 0, lag, 0)) if lag < x.shape[0] else torch.zeros_like(x)
+        )
+        inside = (position >= lag).unsqueeze(-1)
+        out = out + torch.where(inside, shifted, 0.0) * kernel[:, taps - 1 - lag]
+    return out
+
+
+def kda_forget_gate(
+    gate_input: torch.Tensor,
+    a_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    safe_gate: bool,
+    lower_bound: float,
+) -> torch.Tensor:
+    """Per-key-dimension log decay ``g`` (``<= 0``), float32.
+
+    ``gate_input`` ``[T, H, D]`` (the forget-gate projection), ``a_log`` ``[H]``, ``dt_bias``
+    ``[H, D]``. With ``safe_gate`` the decay is bounded: ``lower_bound * sigmoid(A x)``
+    (``lower_bound`` in ``[-5, 0)``); without it, ``-A * softplus(x)``; ``A = exp(a_log)``
+    and ``x = gate_input + dt_bias``.
+    """
+    x = gate_input.float() + dt_bias.float()
+    rate = a_log.float().exp().unsqueeze(-1)
+    if safe_gate:
+        return lower_bound * torch.sigmoid(rate * x)
+    return -rate * functional.softplus(x)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + eps)`` over the last dimension (eps inside the root, as FLA does)."""
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def gated_rms_norm(
+    x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """RMS norm over the last dimension times ``sigmoid(gate)``, in float32, cast to ``gate``'s
+    dtype. ``x``, ``gate`` ``[..., D]``, ``weight`` ``[D]``."""
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return (normed * torch.sigmoid(gate.float())).to(gate.dtype)
+
+
+def _to_chunks(
+    x: torch.Tensor, segment: torch.Tensor, position: torch.Tensor, n_seg: int, length: int
+) -> torch.Tensor:
+    """``[T, H, ...]`` packed -> ``[n_seg, H, length / C, C, ...]`` zero-padded per segment."""
+    padded = x.new_zeros((n_seg * length, *x.shape[1:]))
+    padded = padded.index_copy(0, segment * length + position, x)
+    padded = padded.view(n_seg, length // KDA_CHUNK, KDA_CHUNK, *x.shape[1:])
+    return padded.movedim(3, 1)
+
+
+def chunked_kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> torch.Tensor:
+    """The KDA recurrence over every packed segment, each from a zero state, in float32.
+
+    ``q``, ``k``, ``g`` ``[T, H, Dk]`` (``q``/``k`` before L2 normalisation, ``g`` the log
+    decay of :func:`kda_forget_gate`), ``v`` ``[T, H, Dv]``, ``beta`` ``[T, H]``,
+    ``cu_seqlens`` ``[n + 1]``. Returns ``o`` ``[T, H, Dv]`` float32.
+
+    Reads the segment lengths on the host once per call (to size the padded chunks).
+    """
+    n_tokens, _, dk = q.shape
+    bounds = cu_seqlens.tolist()
+    n_seg = len(bounds) - 1
+    longest = max((b - a for a, b in itertools.pairwise(bounds)), default=0)
+    length = max(1, -(-longest // KDA_CHUNK)) * KDA_CHUNK
+    segment, position = segment_positions(cu_seqlens, n_tokens)
+
+    def chunks(x: torch.Tensor) -> torch.Tensor:
+        return _to_chunks(x.float(), segment, position, n_seg, length)
+
+    q = chunks(l2_normalize(q.float()) * dk**-0.5)  # [B, H, N, C, Dk]
+    k = chunks(l2_normalize(k.float()))
+    v, g, beta = chunks(v), chunks(g), chunks(beta)  # beta: [B, H, N, C]
+
+    # --- inside each chunk (all chunks at once) ---
+    decay_to = g.cumsum(-2)  # G_i: log decay from the chunk start through token i
+    upto = torch.ones(KDA_CHUNK, KDA_CHUNK, dtype=torch.bool, device=q.device).tril()
+    gap = decay_to.unsqueeze(-2) - decay_to.unsqueeze(-3)  # [.., i, j, Dk]: G_i - G_j
+    pair_decay = gap.masked_fill(~upto[..., None], float("-inf")).exp()  # 0 where j > i
+    kk = torch.einsum("...id,...jd,...ijd->...ij", k, k, pair_decay)
+    qk = torch.einsum("...id,...jd,...ijd->...ij", q, k, pair_decay)
+    # (I + A) u = beta v - beta (k exp(G)) S0 with A_ij = beta_i kk_ij for j < i
+    strict = beta.unsqueeze(-1) * kk.masked_fill(~upto.tril(-1), 0.0)
+    eye = torch.eye(KDA_CHUNK, dtype=q.dtype, device=q.device)
+    rhs = torch.cat([beta.unsqueeze(-1) * v, beta.unsqueeze(-1) * k * decay_to.exp()], -1)
+    solved = torch.linalg.solve_triangular(eye + strict, rhs, upper=False, unitriangular=True)
+    u_free, u_from_state = solved.split([v.shape[-1], dk], dim=-1)
+    q_decayed = q * decay_to.exp()
+    total = decay_to[..., -1:, :]  # G_C
+    k_to_end = k * (total - decay_to).exp()
+
+    # --- across chunks: only the state travels ---
+    state = q.new_zeros(n_seg, q.shape[1], dk, v.shape[-1])
+    outs = []
+    for n in range(length // KDA_CHUNK):
+        u = u_free[:, :, n] - u_from_state[:, :, n] @ state
+        outs.append(q_decayed[:, :, n] @ state + qk[:, :, n] @ u)
+        state = total[:, :, n].transpose(-1, -2).exp() * state + k_to_end[:, :, n].mT @ u
+    o = torch.stack(outs, dim=2)  # [B, H, N, C, Dv]
+    o = o.movedim(1, 3).reshape(n_seg * length, q.shape[1], v.shape[-1])
+    return o.index_select(0, segment * length + position)
