@@ -266,33 +266,27 @@ def test_claude_code_single_turn(tokenizer: Any, tmp_path: Path) -> None:
     check_exported(exported[0], engine.received[0], engine.sent[0])
 
 
+def claude_writes_hi(claude: Path, url: str, session_key: str, tmp_path: Path) -> None:
+    """Claude Code, told to write hi to out.txt with Bash, does it in two turns (one tool
+    call, then the final reply)."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir(), work.mkdir()
+    command = [str(claude), "-p", "write hi to out.txt", "--model", "some-model"]
+    command += ["--output-format", "json", "--allowedTools", "Bash"]
+    result = run_cli(command, claude_env(home, url, session_key), work)
+    report = json.loads(result.stdout)
+    assert REPLY_TEXT in report["result"], report
+    assert report["num_turns"] == 2, report
+    assert (work / "out.txt").read_text() == "hi\n"
+
+
 def test_claude_code_tool_round_trip(tokenizer: Any, tmp_path: Path) -> None:
     claude = cli_path("claude", "AREAL_CLAUDE_BIN")
     engine = ScriptedEngine(tokenizer, tool_call=CLAUDE_TOOL_CALL)
     server = make_proxy(tokenizer, engine)
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir(), work.mkdir()
     with serve(server.app) as url:
         session_id, session_key = start_session(url, "claude-tool")
-        result = run_cli(
-            [
-                str(claude),
-                "-p",
-                "write hi to out.txt",
-                "--model",
-                "some-model",
-                "--output-format",
-                "json",
-                "--allowedTools",
-                "Bash",
-            ],
-            claude_env(home, url, session_key),
-            work,
-        )
-        report = json.loads(result.stdout)
-        assert REPLY_TEXT in report["result"], report
-        assert report["num_turns"] == 2, report
-        assert (work / "out.txt").read_text() == "hi\n"
+        claude_writes_hi(claude, url, session_key, tmp_path)
         check_recorded(server, session_id, engine, 2)
         first, second = server.store.get(session_id).cache.values()
         assert first.output_message_list[0]["tool_calls"][0]["function"]["name"] == "Bash"
@@ -306,29 +300,9 @@ def test_claude_code_ling3_tool_round_trip(ling3_tokenizer: Any, tmp_path: Path)
     claude = cli_path("claude", "AREAL_CLAUDE_BIN")
     engine = Ling3ScriptedEngine(ling3_tokenizer)
     server = make_proxy(ling3_tokenizer, engine, "ling3", "ling3")
-    home, work = tmp_path / "home", tmp_path / "work"
-    home.mkdir(), work.mkdir()
     with serve(server.app) as url:
         session_id, session_key = start_session(url, "claude-ling3")
-        result = run_cli(
-            [
-                str(claude),
-                "-p",
-                "write hi to out.txt",
-                "--model",
-                "some-model",
-                "--output-format",
-                "json",
-                "--allowedTools",
-                "Bash",
-            ],
-            claude_env(home, url, session_key),
-            work,
-        )
-        report = json.loads(result.stdout)
-        assert REPLY_TEXT in report["result"], report
-        assert report["num_turns"] == 2, report
-        assert (work / "out.txt").read_text() == "hi\n"  # the CLI ran the parsed call
+        claude_writes_hi(claude, url, session_key, tmp_path)  # the CLI ran the parsed call
         check_recorded(server, session_id, engine, 2)
         first, second = server.store.get(session_id).cache.values()
         (call,) = first.output_message_list[0]["tool_calls"]
