@@ -395,7 +395,7 @@ def run_plain(model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float) -> d
     from areal.utils.packing import ffd_allocate
 
     model = AutoModelForCausalLM.from_pretrained(
-        model_dir, dtype=torch.float32, attn_implementation="sdpa"
+        model_dir, dtype=torch.float32, attn_implementation="sdpa", use_kernels=False
     ).cuda()
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, fused=True)

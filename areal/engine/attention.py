@@ -35,6 +35,7 @@ __all__ = [
     "AttentionBackend",
     "packed_causal_attention",
     "packed_forward_kwargs",
+    "prefix_causal_attention",
     "register_varlen_attention",
     "varlen_attention_forward",
     "varlen_kernel_available",
@@ -169,7 +170,10 @@ def _packed_varlen(
     cu_seqlens: torch.Tensor,
     max_seqlen: int,
     scale: float | None,
+    keys: tuple[torch.Tensor, int] | None = None,
 ) -> torch.Tensor:
+    """``keys``: the key segments' bounds and longest length where they differ from the
+    query segments (each query segment then sits at the end of its key segment)."""
     assert _VARLEN_ATTN is not None
     kwargs = _causal_kwargs()
     if "scale" in _VARLEN_PARAMS:
@@ -188,20 +192,21 @@ def _packed_varlen(
         # MLA's values are narrower than its queries and keys; flash kernels take one head
         # size, and zero value columns only add zero output columns, cut off below.
         value = torch.nn.functional.pad(value, (0, query.shape[-1] - value_dim))
-    out = _call_varlen(query, key, value, cu_seqlens, max_seqlen, kwargs)
+    cu_k, max_k = keys if keys is not None else (cu_seqlens, max_seqlen)
+    out = _call_varlen(query, key, value, (cu_seqlens, max_seqlen), (cu_k, max_k), kwargs)
     return out[..., :value_dim]
 
 
-def _call_varlen(query, key, value, cu_seqlens, max_seqlen, kwargs) -> torch.Tensor:
-    cu = cu_seqlens.to(device=query.device, dtype=torch.int32)
+def _call_varlen(query, key, value, queries, keys, kwargs) -> torch.Tensor:
+    (cu_q, max_q), (cu_k, max_k) = queries, keys
     return _VARLEN_ATTN(
         query.contiguous(),
         key.contiguous(),
         value.contiguous(),
-        cu,
-        cu,
-        max_seqlen,
-        max_seqlen,
+        cu_q.to(device=query.device, dtype=torch.int32),
+        cu_k.to(device=query.device, dtype=torch.int32),
+        max_q,
+        max_k,
         **kwargs,
     )
 
@@ -237,6 +242,61 @@ def packed_causal_attention(
             raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available")
         return _packed_varlen(query, key, value, cu_seqlens, int(max_seqlen), scale)
     return _packed_sdpa(query, key, value, cu_seqlens, scale)
+
+
+@torch.compiler.disable
+def prefix_causal_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    spans: list[tuple[int, int, int, int]],
+    max_key_len: int,
+    *,
+    scale: float | None = None,
+    backend: AttentionBackend = "auto",
+) -> torch.Tensor:
+    """Query chunks, each attending causally to a range of keys that it ends.
+
+    ``spans``: per chunk ``(q_start, q_end, k_start, k_end)``; the chunks tile ``query``
+    ``[Tq, Hq, D]`` in order, and chunk query ``i`` sits at key position
+    ``k_end - (q_end - q_start) + i``: it sees keys ``k_start`` through that position of
+    ``key`` ``[Tk, Hkv, D]`` / ``value`` ``[Tk, Hkv, Dv]``. Key ranges may overlap (context
+    parallelism: a sequence's two chunks on one rank read the same prefix). Returns
+    ``[Tq, Hq, Dv]``. Backends as :func:`packed_causal_attention`'s.
+    """
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
+    if backend == "auto":
+        use_varlen = _VARLEN_ATTN is not None and query.is_cuda and query.dtype in _VARLEN_DTYPES
+        backend = "varlen" if use_varlen else "sdpa"
+    if backend == "varlen":
+        if _VARLEN_ATTN is None:
+            raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available")
+        index = torch.cat([torch.arange(ks, ke) for _, _, ks, ke in spans]).to(key.device)
+        q_lens = [qe - qs for qs, qe, _, _ in spans]
+        k_lens = [ke - ks for _, _, ks, ke in spans]
+        cu_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32)
+        cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
+        return _packed_varlen(
+            query,
+            key.index_select(0, index),
+            value.index_select(0, index),
+            cu_q,
+            max(q_lens, default=0),
+            scale,
+            keys=(cu_k, int(max_key_len)),
+        )
+    gqa = query.shape[1] != key.shape[1]
+    outs = []
+    for qs, qe, ks, ke in spans:
+        n, m = qe - qs, ke - ks
+        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query[qs:qe], key[ks:ke], value[ks:ke]))
+        allowed = torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)
+        out = scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
+        outs.append(out[0].transpose(0, 1))
+    if not outs:
+        return query.new_empty(*query.shape[:2], value.shape[-1])
+    return torch.cat(outs, dim=0)
 
 
 # --- unpacked attention ([B, H, S, D] layout, optional 2-D padding mask) ---

@@ -207,7 +207,11 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             for key in ("attention_dropout", "hidden_dropout", "dropout", "resid_pdrop"):
                 if hasattr(hf_config, key):
                     setattr(hf_config, key, 0.0)
+        # use_kernels=False: transformers >= 5.25 otherwise fetches hub kernels at load, which
+        # an offline cluster cannot; flash-linear-attention is still used where installed
         load = dict(dtype=torch.float32, attn_implementation=attn)
+        if not cfg.init_from_scratch:
+            load["use_kernels"] = False
         if cfg.init_from_scratch:
             model = AutoModelForCausalLM.from_config(hf_config, **load)
         else:

@@ -15,12 +15,16 @@ segment start. :func:`chunked_kda` computes the recurrence chunk by chunk: insid
 corrections solve a unit lower-triangular system, and only the ``[Dk, Dv]`` state crosses
 chunk boundaries, so a sequence costs ``T / C`` sequential steps instead of ``T``.
 
-Everything here is differentiable torch (CPU or GPU); ``fla``'s Triton kernels are the fast
-path on GPUs and are not required.
+Everything here is differentiable torch (CPU or GPU). :func:`kda_delta_rule` is what the
+model code calls: on CUDA, with flash-linear-attention installed, it runs that package's
+varlen ``chunk_kda`` Triton kernel (forward and backward); otherwise :func:`chunked_kda`.
+Both the FSDP engine's packed forward of transformers' layers
+(:mod:`areal.models.bailing_packed`) and the Megatron bridge's KDA layer go through it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 
 import torch
@@ -30,6 +34,7 @@ __all__ = [
     "KDA_CHUNK",
     "chunked_kda",
     "gated_rms_norm",
+    "kda_delta_rule",
     "kda_forget_gate",
     "l2_normalize",
     "packed_causal_conv1d",
@@ -178,3 +183,36 @@ def chunked_kda(
     o = torch.stack(outs, dim=2)  # [B, H, N, C, Dv]
     o = o.movedim(1, 3).reshape(n_seg * length, q.shape[1], v.shape[-1])
     return o.index_select(0, segment * length + position)
+
+
+def fla_available() -> bool:
+    """Whether flash-linear-attention's kernels can be imported (they run on CUDA only)."""
+    return importlib.util.find_spec("fla") is not None
+
+
+def kda_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+) -> torch.Tensor:
+    """The KDA recurrence of every packed segment from a zero state (inputs as
+    :func:`chunked_kda`'s). On CUDA with flash-linear-attention installed: its varlen
+    ``chunk_kda`` kernel, output in ``q``'s dtype; otherwise :func:`chunked_kda`, float32.
+    """
+    if q.is_cuda and fla_available():
+        from fla.ops.kda import chunk_kda
+
+        out, _ = chunk_kda(
+            q.unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
+            g=g.unsqueeze(0),
+            beta=beta.unsqueeze(0),
+            cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
+            use_qk_l2norm_in_kernel=True,
+        )
+        return out[0]
+    return chunked_kda(q, k, v, g, beta, cu_seqlens)

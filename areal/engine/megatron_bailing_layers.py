@@ -39,7 +39,7 @@ from megatron.core.transformer.utils import (
 )
 from torch.nn import functional
 
-from areal.engine.kda import chunked_kda, gated_rms_norm, kda_forget_gate, packed_causal_conv1d
+from areal.engine.kda import gated_rms_norm, kda_delta_rule, kda_forget_gate, packed_causal_conv1d
 
 __all__ = [
     "GatedMLASelfAttention",
@@ -275,7 +275,7 @@ class KimiDeltaAttention(MegatronModule):
             self.shape.lower_bound,
         )
         beta = torch.sigmoid(self.linear_beta(x)[0].float()).view(tokens, heads)
-        mixed = chunked_kda(q, k, v, decay, beta, cu_seqlens)  # [T, heads, dim] float32
+        mixed = kda_delta_rule(q, k, v, decay, beta, cu_seqlens)  # [T, heads, dim]
         gate = self.linear_gate(x)[0].view(tokens, heads, dim)
         out = self.o_norm(mixed, gate).reshape(tokens, 1, heads * dim)
         return self.linear_proj(out)

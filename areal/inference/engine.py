@@ -107,8 +107,8 @@ class GenerationEngine(WeightUpdates):
         models.register()  # model families transformers does not resolve on its own
         config = AutoConfig.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(
-            self.model_path, dtype=self.dtype, attn_implementation="sdpa"
-        ).to(self.device)
+            self.model_path, dtype=self.dtype, attn_implementation="sdpa", use_kernels=False
+        ).to(self.device)  # no hub kernels: they are fetched online at load
         self.model.eval()
         self.vocab_size = int(config.vocab_size)
         max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)

@@ -14,6 +14,17 @@ import os
 import torch
 
 
+def random_batch(lengths: list[int], vocab: int = 1000) -> dict[str, torch.Tensor]:
+    """Right-padded rows of random ids in ``[3, vocab)``, every token after the first trained."""
+    g = torch.Generator().manual_seed(3)
+    width = max(lengths)
+    mask = torch.arange(width)[None] < torch.tensor(lengths)[:, None]
+    ids = torch.randint(3, vocab, (len(lengths), width), generator=g) * mask
+    loss_mask = mask.clone()
+    loss_mask[torch.arange(len(lengths)), torch.tensor(lengths) - 1] = False
+    return {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask.long()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -22,7 +33,25 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--mb-tokens", type=int, default=64)
     parser.add_argument("--export", default="")
+    parser.add_argument(
+        "--lengths",
+        default="",
+        help="comma-separated row lengths of a random batch (default: the unit tests' fixed batch)",
+    )
+    parser.add_argument(
+        "--kda-torch",
+        action="store_true",
+        help="KDA layers take the torch recurrence even where flash-linear-attention is installed",
+    )
     args = parser.parse_args()
+    if os.environ.get("WORKER_TRACEBACK_AFTER"):  # a stuck run shows where it waits
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["WORKER_TRACEBACK_AFTER"]), exit=True)
+    if args.kda_torch:
+        from areal.engine import kda
+
+        kda.fla_available = lambda: False
 
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
     from areal.api.io_struct import SaveLoadMeta
@@ -47,7 +76,8 @@ def main() -> None:
         engine = FSDPEngine(config)
     engine.create_process_group()
     engine.initialize()
-    batch = fixed_batch()
+    lengths = [int(n) for n in args.lengths.split(",") if n]
+    batch = random_batch(lengths) if lengths else fixed_batch()
 
     def count(mb):
         return mb["loss_mask"].count_nonzero()
@@ -58,7 +88,7 @@ def main() -> None:
     if args.export:
         engine.save(SaveLoadMeta(path=args.export, weight_format="hf", with_optim=False))
     if int(os.environ.get("RANK", 0)) == 0:
-        torch.save({"before": before, "after": after, "stats": stats}, args.out)
+        torch.save({"before": before, "after": after, "stats": stats, "batch": batch}, args.out)
     engine.destroy()
 
 

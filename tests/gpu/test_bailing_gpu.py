@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from areal.engine import kda
 from areal.engine.kda import chunked_kda, kda_forget_gate
 from areal.engine.logprobs import logprobs_from_logits
 from areal.models import bailing_packed
@@ -112,7 +113,7 @@ def _kda_layer(bailing_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
     """Layer 0 of the tiny model (a ``BailingHybridDeltaAttention``), on CUDA in ``dtype``."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(bailing_dir, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(bailing_dir, dtype=dtype, use_kernels=False)
     layer = model.model.layers[0].self_attn
     assert type(layer).__name__ == "BailingHybridDeltaAttention"
     return layer.cuda().eval()
@@ -121,15 +122,15 @@ def _kda_layer(bailing_dir: Path, dtype: torch.dtype) -> torch.nn.Module:
 @needs_fla
 @pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 5e-3), (torch.bfloat16, 3e-2)])
 def test_packed_kda_forward_fla_matches_torch_path(bailing_dir, dtype, bound, monkeypatch):
-    """On CUDA ``packed_kda_forward`` runs fla's ``chunk_kda``; forcing its torch path (the
-    sequences padded into one batch) must give the same layer output."""
+    """On CUDA ``packed_kda_forward`` runs fla's ``chunk_kda``; forcing the torch recurrence
+    (``kda.fla_available`` off) must give the same layer output."""
     layer = _kda_layer(bailing_dir, dtype)
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1, sum(LENGTHS), layer.hidden_size, device="cuda", generator=g).to(dtype)
     cu = _cu_seqlens(LENGTHS)
     with torch.no_grad():
         fla = bailing_packed.packed_kda_forward(layer, x, cu)
-        monkeypatch.setattr(bailing_packed, "_fla_available", lambda: False)
+        monkeypatch.setattr(kda, "fla_available", lambda: False)
         torch_path = bailing_packed.packed_kda_forward(layer, x, cu)
         # fp32 reference: the same layer and input in float32, torch path
         reference = bailing_packed.packed_kda_forward(layer.float(), x.float(), cu)
@@ -198,7 +199,11 @@ def test_hf_model_logprobs_with_fla_match_torch_fallback(bailing_dir, monkeypatc
     assert inspect.unwrap(chosen).__module__.startswith("fla"), f"transformers kept {chosen}"
     g = torch.Generator().manual_seed(2)
     ids = [torch.randint(3, 1000, (n,), generator=g) for n in LENGTHS]
-    model = AutoModelForCausalLM.from_pretrained(bailing_dir, dtype=torch.bfloat16).cuda().eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(bailing_dir, dtype=torch.bfloat16, use_kernels=False)
+        .cuda()
+        .eval()
+    )
     with_fla = _sequence_logprobs(model, ids)
     torch_only = _torch_references(hf)
     for name, function in torch_only.items():
@@ -237,7 +242,11 @@ def test_fsdp_engine_packed_logprobs_match_one_sequence_at_a_time(bailing_dir):
         "loss_mask": mask.long(),
     }
     rows = [batch["input_ids"][i, :n] for i, n in enumerate(LENGTHS)]
-    model = AutoModelForCausalLM.from_pretrained(bailing_dir, dtype=torch.float32).cuda().eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(bailing_dir, dtype=torch.float32, use_kernels=False)
+        .cuda()
+        .eval()
+    )
     reference = _sequence_logprobs(model, rows)
     floor = _max_diff(_sequence_logprobs(model.bfloat16(), rows), reference)
     del model
@@ -269,3 +278,62 @@ def test_fsdp_engine_packed_logprobs_match_one_sequence_at_a_time(bailing_dir):
     )
     for err in results.values():
         assert err < max(5e-2, 3 * floor)
+
+
+# --- the Megatron bridge ---
+
+
+def _megatron_worker(model: Path, out: Path, *extra: str) -> dict:
+    """One single-GPU ``megatron:d1`` run of :mod:`tests.gpu.megatron_worker` on ``LENGTHS``:
+    log-probs, one Adam step, log-probs again."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}"}
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+            "-m", "tests.gpu.megatron_worker", "--model", str(model), "--out", str(out),
+            "--backend", "megatron:d1", "--mb-tokens", "4096",
+            "--lengths", ",".join(map(str, LENGTHS)), *extra]  # fmt: skip
+    subprocess.run(argv, cwd=repo, env=env, check=True, timeout=500)
+    return torch.load(out, weights_only=False)
+
+
+@needs_fla
+def test_megatron_bridge_with_fla_matches_torch_kda_and_hf(bailing_dir, tmp_path):
+    """The bridge's KDA layers with fla's varlen kernel against the same engine with the torch
+    recurrence (bf16 log-probs before and after one step), and against the HF model in fp32."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("mbridge")
+    from transformers import AutoModelForCausalLM
+
+    with_fla = _megatron_worker(bailing_dir, tmp_path / "fla.pt")
+    torch_kda = _megatron_worker(bailing_dir, tmp_path / "torch.pt", "--kda-torch")
+    batch = with_fla["batch"]
+    rows = [batch["input_ids"][i, :n] for i, n in enumerate(LENGTHS)]
+    model = (
+        AutoModelForCausalLM.from_pretrained(bailing_dir, dtype=torch.float32, use_kernels=False)
+        .cuda()
+        .eval()
+    )
+    reference = [r.cpu() for r in _sequence_logprobs(model, rows)]
+    del model
+
+    def rows_of(logp: torch.Tensor) -> list[torch.Tensor]:
+        return [logp[i, : n - 1].float() for i, n in enumerate(LENGTHS)]
+
+    diffs = {
+        "fla vs torch KDA, before the step": _max_diff(rows_of(with_fla["before"]),
+                                                       rows_of(torch_kda["before"])),
+        "fla vs torch KDA, after the step": _max_diff(rows_of(with_fla["after"]),
+                                                      rows_of(torch_kda["after"])),
+        "fla vs HF fp32": _max_diff(rows_of(with_fla["before"]), reference),
+        "torch KDA vs HF fp32": _max_diff(rows_of(torch_kda["before"]), reference),
+    }  # fmt: skip
+    losses = (with_fla["stats"], torch_kda["stats"])
+    print(f"\nMegatron bridge bf16 log-probs, lengths {LENGTHS}: {diffs}; step stats {losses}")
+    floor = diffs["torch KDA vs HF fp32"]
+    assert diffs["fla vs torch KDA, before the step"] < max(5e-2, 3 * floor)
+    assert diffs["fla vs torch KDA, after the step"] < max(5e-2, 3 * floor)
+    assert diffs["fla vs HF fp32"] < max(5e-2, 3 * floor)

@@ -90,7 +90,11 @@ def hf_logprobs(model_dir: Path, dtype=torch.bfloat16) -> torch.Tensor:
     from tests.unit.engine.fsdp_worker import fixed_batch
 
     batch = fixed_batch()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).cuda().eval()
+    model = (
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_kernels=False)
+        .cuda()
+        .eval()
+    )
     out = torch.zeros(batch["input_ids"].shape)
     with torch.no_grad():
         for i, row in enumerate(batch["input_ids"]):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import getpass
 import json
+import math
 import os
 import secrets
 import sqlite3
@@ -317,3 +318,23 @@ def test_claude_code_direct_rollout_records_interactions(tmp_path, tiny_model_di
     assert tasks[0]["status"] in ("DONE", "OK", "HARNESS_FAILED", "NO_OUTPUT"), tasks[0]
     (record,) = _audit(tmp_path, "claude")
     assert record["task_id"] == tasks[0]["task_id"] and record["training_score"] is not None
+
+
+def test_ling3_checkpoint_needs_only_its_path_and_the_ling3_parsers(tmp_path, bailing_model_dir):
+    """``train_swe_rl`` on a tiny BailingMoeV3 checkpoint (Ling 3: KDA + MLA + MoE, the Ling 3
+    tokenizer): the local profile with ``actor.path`` (through ``MODEL_PATH``) and the agent's
+    parsers changed, nothing else; both steps train and every task is audited."""
+    config = json.loads((bailing_model_dir / "config.json").read_text())
+    assert config["architectures"] == ["BailingMoeV3ForCausalLM"]
+    _train(tmp_path, bailing_model_dir, "direct",
+                 "rollout.agent.tool_call_parser=ling3",
+                 "rollout.agent.reasoning_parser=ling3")  # fmt: skip
+    stats = _stats(tmp_path, "direct")
+    assert [s["global_step"] for s in stats] == list(range(STEPS))
+    for row in stats:
+        assert math.isfinite(row["ppo_actor/grad_norm"]), row
+    tasks = _tasks(tmp_path, "direct")
+    assert len(tasks) >= STEPS * PROMPTS * SAMPLES
+    assert Counter(r["task_id"] for r in _audit(tmp_path, "direct")) == Counter(
+        t["task_id"] for t in tasks
+    )
