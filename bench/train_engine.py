@@ -328,6 +328,7 @@ def run_engine(
     profile: bool = False,
     chunk_size: int = 8192,
     trace_to: str | None = None,
+    gradient_checkpointing: bool = False,
 ) -> dict:
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 
@@ -340,6 +341,7 @@ def run_engine(
         mb_spec=MicroBatchSpec(max_tokens_per_mb=mb_tokens),
         optimizer=OptimizerConfig(lr=lr, warmup_steps_proportion=0.0),
         logprobs_chunk_size=chunk_size,
+        gradient_checkpointing=gradient_checkpointing,
     )
     if backend == "megatron":
         from areal.engine.megatron_engine import MegatronEngine
@@ -498,6 +500,11 @@ def main() -> None:
     parser.add_argument(
         "--logprobs-chunk-size", type=int, default=8192, help="engines: tokens per log-prob chunk"
     )
+    parser.add_argument(
+        "--gradient-checkpointing",
+        action="store_true",
+        help="engines: recompute each decoder layer in backward (activation checkpointing)",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
@@ -556,7 +563,10 @@ def main() -> None:
         if engines - known:
             raise SystemExit(f"--engines: unknown {sorted(engines - known)}")
         engine = functools.partial(
-            run_engine, profile=args.profile, chunk_size=args.logprobs_chunk_size
+            run_engine,
+            profile=args.profile,
+            chunk_size=args.logprobs_chunk_size,
+            gradient_checkpointing=args.gradient_checkpointing,
         )
         columns = [
             ("engine", "fsdp", functools.partial(engine, backend="fsdp"), args.engine_mb_tokens),

@@ -17,6 +17,10 @@ Two backends compute the same thing:
 
 Neither builds a ``[T, T]`` mask: the mask function registered alongside returns at most the
 2-D padding mask, which only matters for unpacked (generation, eval) calls.
+
+Under context parallelism each rank holds a share of the stream
+(:mod:`areal.engine.context_parallel`); the shard travels in the kwargs too (``CP_KWARG``)
+and attention then runs over keys and values gathered from the whole context-parallel group.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ from typing import Any, Literal
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
+
+from areal.engine.context_parallel import CP_KWARG, ContextShard, context_parallel_attention
 
 __all__ = [
     "VARLEN_ATTENTION",
@@ -65,16 +71,24 @@ def varlen_kernel_available() -> bool:
     return _VARLEN_ATTN is not None and torch.cuda.is_available()
 
 
-def packed_forward_kwargs(cu_seqlens: torch.Tensor, max_seqlen: int) -> dict[str, Any]:
+def packed_forward_kwargs(
+    cu_seqlens: torch.Tensor, max_seqlen: int, shard: ContextShard | None = None
+) -> dict[str, Any]:
     """Keyword arguments for ``model(input_ids, position_ids=..., **kwargs)`` on a packed stream.
 
     ``cu_seqlens``: ``[n + 1]`` cumulative segment lengths, ``cu_seqlens[-1] == T``; padding
     at the end of the stream is a segment of its own. ``max_seqlen``: longest segment.
     Includes ``use_cache=False``. Pass no ``attention_mask`` alongside.
+
+    ``shard``: this rank's share under context parallelism, passed on under ``CP_KWARG``;
+    ``input_ids`` are then the share's tokens, ``cu_seqlens``/``max_seqlen`` its local chunks
+    (``shard.local_cu_seqlens``), so a layer that reads them never crosses a sequence.
     """
     cu = cu_seqlens.to(torch.int32)
     max_len = int(max_seqlen)
+    extra = {} if shard is None else {CP_KWARG: shard}
     return {
+        **extra,
         # A packed stream is never decoded from; a KV cache would only hold memory.
         "use_cache": False,
         "cu_seq_lens_q": cu,
@@ -211,6 +225,18 @@ def _call_varlen(query, key, value, queries, keys, kwargs) -> torch.Tensor:
     )
 
 
+def _pick_backend(query: torch.Tensor, key: torch.Tensor, backend: AttentionBackend) -> str:
+    """``varlen`` or ``sdpa`` for these inputs; checks the head counts and the kernel."""
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
+    if backend == "auto":
+        use_varlen = _VARLEN_ATTN is not None and query.is_cuda and query.dtype in _VARLEN_DTYPES
+        return "varlen" if use_varlen else "sdpa"
+    if backend == "varlen" and _VARLEN_ATTN is None:
+        raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available")
+    return backend
+
+
 @torch.compiler.disable
 def packed_causal_attention(
     query: torch.Tensor,
@@ -232,16 +258,50 @@ def packed_causal_attention(
     otherwise. Never traced by ``torch.compile`` (compiled decoder layers call it as an
     opaque function).
     """
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
-    if backend == "auto":
-        use_varlen = _VARLEN_ATTN is not None and query.is_cuda and query.dtype in _VARLEN_DTYPES
-        backend = "varlen" if use_varlen else "sdpa"
-    if backend == "varlen":
-        if _VARLEN_ATTN is None:
-            raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available")
+    if _pick_backend(query, key, backend) == "varlen":
         return _packed_varlen(query, key, value, cu_seqlens, int(max_seqlen), scale)
     return _packed_sdpa(query, key, value, cu_seqlens, scale)
+
+
+class _PrefixSpanAttention(torch.autograd.Function):
+    """One query chunk over the keys it ends, keeping only the inputs, the output and the
+    row log-sum-exp for backward (the score matrix is recomputed there, as flash kernels
+    do), so a share's saved activations do not grow with its chunks' key prefixes."""
+
+    @staticmethod
+    def _scores(q, k, scale):  # [n, Hq, D] x [m, Hq, D] -> [Hq, n, m], causal to the end
+        n, m = q.shape[0], k.shape[0]
+        scores = torch.einsum("nhd,mhd->hnm", q, k) * scale
+        allowed = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+        return scores.masked_fill(~allowed, float("-inf"))
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale):
+        rep = q.shape[1] // k.shape[1]
+        kf, vf = (x.repeat_interleave(rep, dim=1) for x in (k, v))
+        scores = _PrefixSpanAttention._scores(q, kf, scale)
+        lse = torch.logsumexp(scores, dim=-1)
+        out = torch.einsum("hnm,mhd->nhd", torch.exp(scores - lse[..., None]), vf)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse = ctx.saved_tensors
+        rep = q.shape[1] // k.shape[1]
+        kf, vf = (x.repeat_interleave(rep, dim=1) for x in (k, v))
+        probs = torch.exp(_PrefixSpanAttention._scores(q, kf, ctx.scale) - lse[..., None])
+        grad_v = torch.einsum("hnm,nhd->mhd", probs, grad)
+        grad_p = torch.einsum("nhd,mhd->hnm", grad, vf)
+        delta = (grad * out).sum(-1).transpose(0, 1)  # [Hq, n]
+        grad_s = probs * (grad_p - delta[..., None]) * ctx.scale
+        grad_q = torch.einsum("hnm,mhd->nhd", grad_s, kf)
+        grad_k = torch.einsum("hnm,nhd->mhd", grad_s, q)
+        m, heads = k.shape[0], k.shape[1]
+        grad_k = grad_k.reshape(m, heads, rep, -1).sum(2)
+        grad_v = grad_v.reshape(m, heads, rep, -1).sum(2)
+        return grad_q, grad_k, grad_v, None
 
 
 @torch.compiler.disable
@@ -262,16 +322,10 @@ def prefix_causal_attention(
     ``k_end - (q_end - q_start) + i``: it sees keys ``k_start`` through that position of
     ``key`` ``[Tk, Hkv, D]`` / ``value`` ``[Tk, Hkv, Dv]``. Key ranges may overlap (context
     parallelism: a sequence's two chunks on one rank read the same prefix). Returns
-    ``[Tq, Hq, Dv]``. Backends as :func:`packed_causal_attention`'s.
+    ``[Tq, Hq, Dv]``. ``varlen``: the flash kernel (CUDA bf16/fp16); otherwise an exact torch
+    path that recomputes each chunk's scores in backward instead of keeping them.
     """
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"query heads {query.shape[1]} not a multiple of kv heads {key.shape[1]}")
-    if backend == "auto":
-        use_varlen = _VARLEN_ATTN is not None and query.is_cuda and query.dtype in _VARLEN_DTYPES
-        backend = "varlen" if use_varlen else "sdpa"
-    if backend == "varlen":
-        if _VARLEN_ATTN is None:
-            raise RuntimeError("torch.nn.attention.varlen.varlen_attn is not available")
+    if _pick_backend(query, key, backend) == "varlen":
         index = torch.cat([torch.arange(ks, ke) for _, _, ks, ke in spans]).to(key.device)
         q_lens = [qe - qs for qs, qe, _, _ in spans]
         k_lens = [ke - ks for _, _, ks, ke in spans]
@@ -286,14 +340,11 @@ def prefix_causal_attention(
             scale,
             keys=(cu_k, int(max_key_len)),
         )
-    gqa = query.shape[1] != key.shape[1]
-    outs = []
-    for qs, qe, ks, ke in spans:
-        n, m = qe - qs, ke - ks
-        q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (query[qs:qe], key[ks:ke], value[ks:ke]))
-        allowed = torch.ones(n, m, dtype=torch.bool, device=query.device).tril(m - n)
-        out = scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=gqa)
-        outs.append(out[0].transpose(0, 1))
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    outs = [
+        _PrefixSpanAttention.apply(query[qs:qe], key[ks:ke], value[ks:ke], scale)
+        for qs, qe, ks, ke in spans
+    ]
     if not outs:
         return query.new_empty(*query.shape[:2], value.shape[-1])
     return torch.cat(outs, dim=0)
@@ -363,14 +414,17 @@ def varlen_attention_forward(
     ``query`` ``[B, Hq, S, D]``, ``key``/``value`` ``[B, Hkv, S_kv, D]``; returns
     ``([B, S, Hq, D], None)``. With packing kwargs (``B == 1``, no mask, no cache) attention
     stays inside each segment; without them it is ordinary causal attention honouring the
-    2-D padding mask, so generation and evaluation work on the same model.
+    2-D padding mask, so generation and evaluation work on the same model. With a
+    :class:`ContextShard` under ``CP_KWARG`` the inputs are this rank's share of the stream
+    (``S = T / c``) and attention reads the keys and values of the whole group.
     """
+    shard = kwargs.get(CP_KWARG)
     del module, kwargs
     if sliding_window is not None:
         raise NotImplementedError(f"{VARLEN_ATTENTION} does not support sliding-window layers")
     if softcap is not None:
         raise NotImplementedError(f"{VARLEN_ATTENTION} does not support logit soft-capping")
-    if cu_seq_lens_q is None:
+    if cu_seq_lens_q is None and shard is None:
         out = _batched_causal_attention(query, key, value, attention_mask, scaling, dropout)
         return out.transpose(1, 2).contiguous(), None
 
@@ -380,11 +434,20 @@ def varlen_attention_forward(
         raise ValueError("packed attention takes no attention_mask: padding is its own segment")
     if query.shape[2] != key.shape[2]:
         raise ValueError("packed attention does not run with a KV cache")
+    if dropout:
+        raise NotImplementedError("packed attention does not implement attention dropout")
+    if shard is not None:
+        out = context_parallel_attention(
+            query[0].transpose(0, 1),
+            key[0].transpose(0, 1),
+            value[0].transpose(0, 1),
+            shard,
+            scale=scaling,
+        )
+        return out.unsqueeze(0), None
     same_k = cu_seq_lens_k is None or cu_seq_lens_k is cu_seq_lens_q
     if not same_k and not torch.equal(cu_seq_lens_k, cu_seq_lens_q):
         raise ValueError("packed attention needs identical query and key segments")
-    if dropout:
-        raise NotImplementedError("packed attention does not implement attention dropout")
     max_len = max_length_q if max_length_q is not None else max_length_k
     if max_len is None:
         max_len = int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())

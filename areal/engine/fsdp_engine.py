@@ -1,7 +1,8 @@
 """``FSDPEngine``: a Hugging Face causal LM trained with torch FSDP2 on packed micro-batches.
 
-* Process groups: NCCL on GPU, gloo on CPU; world size 1..N, all data parallel (tensor,
-  context and pipeline parallelism belong to the Megatron engine).
+* Process groups: NCCL on GPU, gloo on CPU; world size ``d x c`` (``fsdp:dXcY``): data
+  parallel over ``d``, context parallel over ``c`` (tensor and pipeline parallelism belong
+  to the Megatron engine). FSDP shards the parameters over all ``d x c`` ranks.
 * Model: ``AutoModelForCausalLM`` from ``config.path``, master weights in fp32, each
   decoder layer and the root sharded with ``fully_shard``; compute in ``config.dtype``,
   gradient reduction in ``grad_reduce_dtype``; optional activation checkpointing. Model
@@ -14,10 +15,15 @@
 * ``use_kernels``: decoder layers and the log-prob chunk maths run as ``torch.compile``
   kernels (same numbers to float rounding; on one H200 it took a 0.5B model from 22.5 % to
   32.6 % MFU, see docs/training.md).
+* Context parallelism (``c > 1``): the ``c`` ranks of a group take the same batch and the
+  same micro-batches; each holds a load-balanced share of every sequence
+  (:mod:`areal.engine.context_parallel`), runs the model and the LM head on it, and gathers
+  its log-probs and entropies back into the micro-batch's stream, so the loss function
+  sees exactly what it sees at ``c = 1``.
 * ``train_batch``: the loss of each micro-batch is weighted by ``loss_weight_fn(mb) / W``
-  (``W`` summed over micro-batches and data-parallel ranks) and multiplied by the DP size
-  (FSDP averages gradients), so one step optimizes the token mean of the global batch;
-  the gradient norm is clipped and a non-finite norm skips the step.
+  (``W`` summed over micro-batches and ranks) and multiplied by the world size (FSDP
+  averages gradients), so one step optimizes the token mean of the global batch; the
+  gradient norm is clipped and a non-finite norm skips the step.
 * Checkpoints: HF safetensors (gathered on rank 0, with the tokenizer) and torch DCP
   (sharded model, optimizer, LR schedule and RNG state). HF saves and weight updates use
   the names of the checkpoint the model came from (Ling 3's official names).
@@ -41,12 +47,14 @@ from areal.api.engine_api import InferenceEngine, TrainEngine
 from areal.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal.engine.attention import packed_forward_kwargs, register_varlen_attention
 from areal.engine.checkpoint import CheckpointFormats, read_extra_state, write_extra_state
+from areal.engine.context_parallel import ContextShard
 from areal.engine.logprobs import gather_logprobs, next_token_labels
 from areal.engine.optim import build_lr_scheduler, build_optimizer
 from areal.engine.train_common import (
     PROCESS_GROUP_TIMEOUT,
     LossFn,
     WeightFn,
+    context_parallel_stream,
     flat_micro_batch,
     init_default_process_group,
     mask_last_tokens,
@@ -88,15 +96,24 @@ class PolicyModule(nn.Module):
         cu_seqlens: torch.Tensor,
         max_seqlen: int,
         temperature: float,
+        shard: ContextShard | None = None,
+        labels: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token ``(logp, entropy)`` ``[T]`` of ``input_ids`` ``[1, T]``.
+
+        Under context parallelism ``input_ids`` are the ``shard``'s tokens, ``cu_seqlens``
+        its local chunks and ``labels`` ``[T]`` their next tokens (a chunk's last token is
+        followed by a token of another rank).
+        """
         base = getattr(self.model, self.model.base_model_prefix)
         out = base(
             input_ids=input_ids,
             position_ids=position_ids,
-            **packed_forward_kwargs(cu_seqlens, max_seqlen),  # includes use_cache=False
+            **packed_forward_kwargs(cu_seqlens, max_seqlen, shard),  # includes use_cache=False
         )
         hidden = out.last_hidden_state[0]
-        labels = next_token_labels(input_ids[0], cu_seqlens)
+        if labels is None:
+            labels = next_token_labels(input_ids[0], cu_seqlens)
         weight = self.model.get_output_embeddings().weight
         logp, entropy = gather_logprobs(
             hidden,
@@ -136,7 +153,10 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         self.device = torch.device("cpu")
         self._mesh = None
         self._dp_group: dist.ProcessGroup | None = None
+        self._cp_group: dist.ProcessGroup | None = None
+        self._cp_size = 1
         self._cpu_group: dist.ProcessGroup | None = None
+        self._reporter_group: dist.ProcessGroup | None = None  # CP rank 0 of each group
         self._own_process_group = False
         self._version = 0
         self.rollout_engine: InferenceEngine | None = None
@@ -145,17 +165,28 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
 
     # --- process groups ---
 
+    def _context_parallel_size(self, parallel_strategy: Any) -> int:
+        """``c`` of ``parallel_strategy``, else of ``config.backend``; refuses t and p."""
+        if parallel_strategy is None:
+            backend = getattr(self.config, "backend", None)
+            if not (isinstance(backend, str) and backend.startswith("fsdp")):
+                return 1
+            from areal.api.alloc_mode import ModelAllocation
+
+            parallel_strategy = ModelAllocation.from_str(backend).parallel
+        extra = {
+            k: getattr(parallel_strategy, k, 1)
+            for k in ("tensor_parallel_size", "pipeline_parallel_size")
+        }
+        if any(v not in (None, 1) for v in extra.values()):
+            raise ValueError(
+                f"the FSDP engine is data and context parallel only (got {extra}); use the "
+                "Megatron backend for tensor or pipeline parallelism"
+            )
+        return getattr(parallel_strategy, "context_parallel_size", 1) or 1
+
     def create_process_group(self, parallel_strategy: Any = None) -> None:
-        if parallel_strategy is not None:
-            extra = {
-                k: getattr(parallel_strategy, k, 1)
-                for k in ("tensor_parallel_size", "context_parallel_size", "pipeline_parallel_size")
-            }
-            if any(v not in (None, 1) for v in extra.values()):
-                raise ValueError(
-                    f"the FSDP engine is data parallel only (got {extra}); use the Megatron "
-                    "backend for tensor, context or pipeline parallelism"
-                )
+        cp = self._context_parallel_size(parallel_strategy)
         device, created = init_default_process_group()
         if device is not None:
             self.device = device
@@ -163,13 +194,35 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size()
-        self._mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
-        self._dp_group = self._mesh.get_group("dp")
+        if world % cp:
+            raise ValueError(
+                f"actor.backend: context parallelism c{cp} does not divide the {world} ranks; "
+                f"launch a multiple of {cp} ranks (world size = d x c)"
+            )
         self._cpu_group = (
             dist.new_group(backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
             if dist.get_backend() != "gloo"
             else dist.group.WORLD
         )
+        self._cp_size = cp
+        if cp == 1:
+            self._mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("dp",))
+            self._dp_group = self._mesh.get_group("dp")
+            return
+        # FSDP shards over every rank; a CP group is c consecutive ranks (one node's NVLink)
+        self._mesh = init_device_mesh(self.device.type, (world,), mesh_dim_names=("fsdp",))
+        rank = dist.get_rank()
+        for start in range(0, world, cp):
+            group = dist.new_group(list(range(start, start + cp)), timeout=PROCESS_GROUP_TIMEOUT)
+            if start <= rank < start + cp:
+                self._cp_group = group
+        for offset in range(cp):
+            group = dist.new_group(list(range(offset, world, cp)), timeout=PROCESS_GROUP_TIMEOUT)
+            if rank % cp == offset:
+                self._dp_group = group
+        reporters = list(range(0, world, cp))
+        group = dist.new_group(reporters, backend="gloo", timeout=PROCESS_GROUP_TIMEOUT)
+        self._reporter_group = group if rank in reporters else None
 
     @property
     def data_parallel_group(self) -> dist.ProcessGroup:
@@ -182,6 +235,20 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
     @property
     def data_parallel_world_size(self) -> int:
         return dist.get_world_size(self._dp_group)
+
+    @property
+    def context_parallel_world_size(self) -> int:
+        return self._cp_size
+
+    @property
+    def context_and_model_parallel_group(self) -> dist.ProcessGroup | None:
+        """The ranks that share one batch (the context-parallel group); None at ``c = 1``."""
+        return self._cp_group
+
+    def current_data_parallel_head(self) -> int:
+        if self._cp_group is None:
+            return super().current_data_parallel_head()
+        return min(dist.get_process_group_ranks(self._cp_group))
 
     @property
     def cpu_group(self) -> dist.ProcessGroup:
@@ -285,6 +352,8 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             dist.destroy_process_group()
             self._own_process_group = False
         self._mesh = None
+        self._dp_group = self._cp_group = self._reporter_group = None
+        self._cp_size = 1
 
     def train(self, mode: bool = True) -> FSDPEngine:
         assert self.module is not None, "initialize() the engine first"
@@ -302,7 +371,10 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         )
 
     def _forward(self, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logp, entropy)`` ``[T]`` over the micro-batch's packed stream ``[1, T]``."""
         assert self.module is not None, "initialize() the engine first"
+        if self._cp_size > 1:
+            return self._context_parallel_forward(mb)
         return self.module(
             mb["input_ids"],
             mb["position_ids"],
@@ -310,6 +382,35 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             int(mb["max_seqlen"]),
             float(self.config.temperature),
         )
+
+    def _context_parallel_forward(self, mb: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_forward` on this rank's share, gathered back into the micro-batch's stream.
+
+        Every rank of the group gets the whole ``(logp, entropy)``, so each computes the same
+        loss; the gather's backward sums the group's (equal) gradients, ``c`` times one
+        rank's, which FSDP's average over ``d x c`` ranks divides back out.
+        """
+        ids, cu_seqlens = mb["input_ids"][0], mb["cu_seqlens"]
+        stream = context_parallel_stream(
+            ids,
+            cu_seqlens,
+            int(mb["n_rows"]),
+            next_token_labels(ids, cu_seqlens),
+            self._cp_size,
+            dist.get_rank(self._cp_group),
+            self._cp_group,
+        )
+        shard = stream.shard
+        logp, entropy = self.module(
+            stream.input_ids,
+            stream.position_ids,
+            shard.local_cu_seqlens,
+            shard.max_seqlen // (2 * self._cp_size),  # the longest local chunk
+            float(self.config.temperature),
+            shard=shard,
+            labels=stream.labels,
+        )
+        return stream.gather(logp, entropy)
 
     @torch.no_grad()
     def forward_batch(self, input_: dict[str, Any], **kwargs: Any) -> torch.Tensor:
@@ -343,12 +444,14 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         if total <= 0:
             logger.warning("train_batch: no trainable tokens in the global batch; step skipped")
             return {"update_successful": 0.0, "grad_norm": 0.0, "lr": self._lr(), "loss": 0.0}
-        dp = self.data_parallel_world_size
+        # FSDP averages gradients over every rank; under context parallelism the c ranks of a
+        # group hold copies of each micro-batch, and W counts them c times: the two cancel
+        world = dist.get_world_size()
         losses = []  # kept on the device: reading each one would stall the launch queue
         for mb, weight in zip(mb_list.mbs, weights, strict=True):
             logp, entropy = self._forward(mb)
             loss = loss_fn(logp, entropy, flat_micro_batch(mb))
-            (loss * (weight / total * dp)).backward()
+            (loss * (weight / total * world)).backward()
             losses.append(loss.detach().double() * (weight / total))
         stats = self.optimizer_step()
         loss_tensor = torch.stack(losses).sum().reshape(1).cpu()
@@ -549,7 +652,17 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
         """This process's recorded statistics, reduced over the ranks (a collective)."""
         from areal.utils import stats_tracker
 
-        return stats_tracker.export_all(reduce_group=self._cpu_group)
+        if self._cp_size == 1:
+            return stats_tracker.export_all(reduce_group=self._cpu_group)
+        # the c ranks of a context-parallel group record the same statistics: one counts
+        if self._reporter_group is not None:
+            stats = stats_tracker.export_all(reduce_group=self._reporter_group)
+        else:
+            stats_tracker.export_all()  # drop the copies
+            stats = None
+        box = [stats]
+        dist.broadcast_object_list(box, src=0, group=self._cpu_group)
+        return box[0]
 
     def get_device_stats(self) -> dict[str, float]:
         if self.device.type != "cuda":

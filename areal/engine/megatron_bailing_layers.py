@@ -7,7 +7,9 @@ parallelism splits them over heads like the rest of the model:
 * :class:`KimiDeltaAttention`: q/k/v, forget-gate, beta and output-gate projections are
   column-parallel (each rank owns ``heads / t`` heads, with their short-convolution taps,
   ``A_log`` and ``dt_bias``), the output projection is row-parallel. The recurrence is
-  :mod:`areal.engine.kda`, restarted at every packed segment.
+  :mod:`areal.engine.kda`, restarted at every packed segment; under context parallelism
+  :mod:`areal.engine.kda_context_parallel` runs it over whole sequences for a share of the
+  heads.
 * :class:`GatedMLASelfAttention`: Megatron's ``MLASelfAttention`` with a column-parallel
   ``linear_gate`` (one sigmoid gate per head, from the layer input) applied to the
   attention output before ``linear_proj``. At ``t > 1`` (always sequence-parallel) its
@@ -40,6 +42,10 @@ from megatron.core.transformer.utils import (
 from torch.nn import functional
 
 from areal.engine.kda import gated_rms_norm, kda_delta_rule, kda_forget_gate, packed_causal_conv1d
+from areal.engine.kda_context_parallel import context_parallel_kda
+
+# the field of the engine's PackedSeqParams carrying the rank's context-parallel share
+CP_KWARG_FIELD = "context_shard"
 
 __all__ = [
     "GatedMLASelfAttention",
@@ -181,9 +187,7 @@ class KimiDeltaAttention(MegatronModule):
 
     def __init__(self, config, layer_number: int, shape: KDAShape, pg_collection=None, **unused):
         super().__init__(config=config)
-        del unused  # attn_mask_type, cp_comm_type: KDA is causal and has no CP path
-        if config.context_parallel_size != 1:
-            raise ValueError("KDA layers do not support context parallelism (c > 1)")
+        del unused  # attn_mask_type, cp_comm_type: KDA is causal; CP swaps tokens for heads
         self.tp_group = (
             pg_collection.tp
             if pg_collection is not None
@@ -264,9 +268,6 @@ class KimiDeltaAttention(MegatronModule):
         qkv = torch.cat([self.linear_q(x)[0], self.linear_k(x)[0], self.linear_v(x)[0]], dim=-1)
         tokens = qkv.shape[0]
         qkv = qkv.view(tokens, -1)
-        kernel = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d], dim=0)
-        qkv = functional.silu(packed_causal_conv1d(qkv, kernel, cu_seqlens))
-        q, k, v = (t.reshape(tokens, heads, dim) for t in qkv.chunk(3, dim=-1))
         decay = kda_forget_gate(
             self.linear_f(x)[0].view(tokens, heads, dim),
             self.A_log,
@@ -275,7 +276,18 @@ class KimiDeltaAttention(MegatronModule):
             self.shape.lower_bound,
         )
         beta = torch.sigmoid(self.linear_beta(x)[0].float()).view(tokens, heads)
-        mixed = kda_delta_rule(q, k, v, decay, beta, cu_seqlens)  # [T, heads, dim]
+        shard = getattr(packed_seq_params, CP_KWARG_FIELD, None)
+        if shard is not None and shard.size > 1:
+            # this rank's tokens: the recurrence runs over whole sequences for a share of
+            # the heads (an all-to-all each way)
+            q, k, v = (t.reshape(tokens, heads, dim) for t in qkv.chunk(3, dim=-1))
+            conv = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+            mixed = context_parallel_kda(q, k, v, conv, decay, beta, shard)  # float32 q, k, v
+        else:
+            kernel = torch.cat([self.q_conv1d, self.k_conv1d, self.v_conv1d], dim=0)
+            qkv = functional.silu(packed_causal_conv1d(qkv, kernel, cu_seqlens))
+            q, k, v = (t.reshape(tokens, heads, dim) for t in qkv.chunk(3, dim=-1))
+            mixed = kda_delta_rule(q, k, v, decay, beta, cu_seqlens)  # [T, heads, dim]
         gate = self.linear_gate(x)[0].view(tokens, heads, dim)
         out = self.o_norm(mixed, gate).reshape(tokens, 1, heads * dim)
         return self.linear_proj(out)

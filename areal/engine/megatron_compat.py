@@ -255,10 +255,12 @@ def patch_packed_rope() -> bool:
     """Route attention's unfused THD rotary calls through :func:`_packed_rope`, which never syncs.
 
     Megatron's version copies the segment lengths to the host on every call (twice per
-    layer per micro-batch), which left the GPU idle half of a training step. Fused rotary
-    (Transformer Engine), context parallelism and YaRN scaling keep Megatron's own path.
-    Multi-latent attention imports the same function under its own name; it is routed too.
-    Returns whether the patch is in place.
+    layer per micro-batch), which left the GPU idle half of a training step. Under context
+    parallelism the engine's streams are a rank's zigzag share of the padded global stream
+    whose bounds ``cu_seqlens`` gives; each token gets its global in-sequence position
+    (:func:`_zigzag_positions`). Fused rotary (Transformer Engine) and YaRN scaling keep
+    Megatron's own path. Multi-latent attention imports the same function under its own
+    name; it is routed too. Returns whether the patch is in place.
     """
     if not _may_patch(
         "megatron.core.transformer.attention.apply_rotary_pos_emb",
@@ -273,17 +275,14 @@ def patch_packed_rope() -> bool:
         return True
 
     def apply_rotary_pos_emb(t, freqs, config, cu_seqlens=None, mscale=1.0, cp_group=None):
-        if (
-            cu_seqlens is None
-            or config.apply_rope_fusion
-            or mscale != 1.0
-            or (cp_group is not None and cp_group.size() > 1)
-        ):
+        if cu_seqlens is None or config.apply_rope_fusion or mscale != 1.0:
             return original(t, freqs, config, cu_seqlens=cu_seqlens, mscale=mscale,
                             cp_group=cp_group)  # fmt: skip
+        size = cp_group.size() if cp_group is not None else 1
+        share = (size, cp_group.rank()) if size > 1 else (1, 0)
         return _packed_rope(
             t, freqs, cu_seqlens, config.rotary_interleaved, config.multi_latent_attention,
-            compiled=getattr(config, COMPILED_ROPE_ATTR, False),
+            compiled=getattr(config, COMPILED_ROPE_ATTR, False), context_share=share,
         )  # fmt: skip
 
     apply_rotary_pos_emb._areal_packed = True
@@ -312,6 +311,26 @@ def _packed_positions(n_tokens: int, rows: int, cu_seqlens: torch.Tensor, device
     return index - bounds[segment.clamp(max=bounds.numel() - 2)]
 
 
+def _zigzag_positions(
+    n_local: int, cu_seqlens: torch.Tensor, size: int, rank: int, device
+) -> torch.Tensor:
+    """Global in-sequence positions (``[T / c]`` long) of a context-parallel rank's tokens.
+
+    ``cu_seqlens``: the padded global stream's bounds (every length a multiple of ``2c``).
+    The rank holds, per sequence, chunk ``rank`` then chunk ``2c - 1 - rank`` of its ``2c``
+    chunks (:mod:`areal.engine.context_parallel`); found on the device, without host syncs.
+    """
+    bounds = cu_seqlens.to(device=device, dtype=torch.long) // size  # local sequence bounds
+    index = torch.arange(n_local, device=device, dtype=torch.long)
+    segment = torch.searchsorted(bounds[1:].contiguous(), index, right=True)
+    segment = segment.clamp(max=bounds.numel() - 2)
+    offset = index - bounds[segment]
+    chunk = (bounds[segment + 1] - bounds[segment]) // 2
+    late = offset >= chunk
+    first = torch.where(late, (2 * size - 2 - rank) * chunk, rank * chunk)
+    return first + offset
+
+
 def _rope_at(
     t: torch.Tensor,
     freqs: torch.Tensor,
@@ -337,6 +356,7 @@ def _packed_rope(
     rotary_interleaved: bool,
     multi_latent_attention: bool,
     compiled: bool = False,
+    context_share: tuple[int, int] = (1, 0),
 ) -> torch.Tensor:
     """Megatron's unfused THD rotary embedding without its per-call ``tolist()``.
 
@@ -346,12 +366,20 @@ def _packed_rope(
     the same values as Megatron's split-and-concatenate loop (one context-parallel rank),
     found on the device, so no layer waits for the host.
 
+    ``context_share`` ``(c, rank)``: with ``c > 1`` ``t`` is that rank's zigzag share of
+    the stream ``cu_seqlens`` bounds, and ``freqs`` is indexed by global in-sequence
+    positions (:func:`_zigzag_positions`).
+
     ``compiled`` (``use_kernels``): the frequency lookup, cos/sin and rotation run as one
     ``torch.compile`` graph instead of a dozen memory passes; if the compiler fails on this
     platform, a warning says so and the eager maths is used from then on.
     """
     global _ROPE_COMPILE_FAILED
-    positions = _packed_positions(t.shape[0], freqs.shape[0], cu_seqlens, t.device)
+    size, rank = context_share
+    if size > 1:
+        positions = _zigzag_positions(t.shape[0], cu_seqlens, size, rank, t.device)
+    else:
+        positions = _packed_positions(t.shape[0], freqs.shape[0], cu_seqlens, t.device)
     args = (t, freqs, positions, rotary_interleaved, multi_latent_attention)
     if compiled and not _ROPE_COMPILE_FAILED:
         try:

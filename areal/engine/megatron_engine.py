@@ -14,10 +14,20 @@
   ``cu_seqlens``), run through Megatron's pipeline schedule (``get_forward_backward_func``).
   Log-probs come from the final hidden states in chunks without tensor parallelism, else
   from the vocab-parallel logits (log-sum-exp reduced over the TP group).
+* Context parallelism (``c``, no Transformer Engine): every CP rank takes the same
+  micro-batches and runs the model on its zigzag share of each (:func:`~areal.engine.
+  train_common.context_parallel_stream`, as the FSDP engine does): attention gathers keys
+  and values over the CP group, KDA swaps tokens for heads, rotary embeddings take global
+  positions. The share's log-probs and entropies are gathered back into the micro-batch's
+  stream, so the loss function sees exactly what it sees at ``c1`` (whole sequences, the
+  same counts), the same on every CP rank; statistics count from CP rank 0 only.
 * ``train_batch``: each micro-batch loss is weighted ``w_mb / W`` (``W`` summed over the
   data-parallel ranks) and multiplied by the DP size and by the number of micro-batches,
   which undoes the schedule's division by the micro-batch count and DDP's gradient
-  averaging: one step optimizes the token mean of the global batch, as FSDP does.
+  averaging: one step optimizes the token mean of the global batch, as FSDP does. Under CP
+  the loss is also divided by ``c``, twice over: the schedule multiplies every loss by
+  ``c`` (for losses of a share), and the gather's backward sums the ``c`` ranks' equal
+  gradients; DDP's average over the ``d x c`` ranks then leaves the ``c1`` gradient.
 * Optimizer: Megatron's (distributed) optimizer over DDP gradient buffers; the global
   gradient norm is clipped and a non-finite norm skips the step. LR schedule: the same
   warmup + constant/linear/cosine multiplier as the FSDP engine.
@@ -59,8 +69,10 @@ from areal.engine.megatron_model import (
 from areal.engine.megatron_parallel import MegatronParallelGroups
 from areal.engine.optim import lr_multiplier
 from areal.engine.train_common import (
+    ContextParallelStream,
     LossFn,
     WeightFn,
+    context_parallel_stream,
     flat_micro_batch,
     mask_last_tokens,
     to_dtype,
@@ -133,6 +145,7 @@ class MegatronEngine(
         self._lr_step = 0
         self._total_steps = 1
         self._training = True
+        self._sequence_parallel = False
         self.rollout_engine: InferenceEngine | None = None
         self._weight_group: dist.ProcessGroup | None = None
 
@@ -155,9 +168,9 @@ class MegatronEngine(
         dtype = to_dtype(cfg.dtype)
         self.bridge = AutoBridge.from_pretrained(cfg.path, dtype=dtype)
         megatron_compat.apply_patches(self.bridge)
-        sequence_parallel = sequence_parallel_for(self.bridge, self.parallel.tp_size)
+        self._sequence_parallel = sequence_parallel_for(self.bridge, self.parallel.tp_size)
         self.bridge.set_extra_args(
-            **transformer_overrides(cfg, self.device, self.bridge.config, sequence_parallel)
+            **transformer_overrides(cfg, self.device, self.bridge.config, self._sequence_parallel)
         )
         train = cfg.optimizer is not None
         mcfg = cfg.megatron
@@ -245,38 +258,72 @@ class MegatronEngine(
             batch, self.config.mb_spec, group=self._cpu_group, pad_to_multiple=multiple
         )
 
+    def _context_parallel_stream(self, mb: dict[str, Any]) -> ContextParallelStream:
+        """This rank's share of a packed micro-batch under context parallelism."""
+        from megatron.core import parallel_state
+
+        ids, cu_seqlens = mb["input_ids"][0], mb["cu_seqlens"]
+        return context_parallel_stream(
+            ids,
+            cu_seqlens,
+            int(mb["n_rows"]),
+            next_token_labels(ids, cu_seqlens),
+            self.parallel.cp_size,
+            parallel_state.get_context_parallel_rank(),
+            parallel_state.get_context_parallel_group(),
+            # sequence parallelism splits each share over the TP ranks
+            multiple=self.parallel.tp_size if self._sequence_parallel else 1,
+        )
+
     def _run_schedule(self, mbs: list[dict[str, Any]], loss_of, forward_only: bool) -> list:
         """Megatron's pipeline schedule over packed micro-batches.
 
         ``loss_of(mb, logp, entropy) -> (scaled_loss, report)`` runs on the last pipeline
-        stage; returns the ``report`` dicts of the micro-batches there (empty elsewhere).
+        stage with the log-probs and entropies ``[T]`` of the micro-batch's packed stream
+        (under CP gathered from the group's shares); returns the ``report`` dicts of the
+        micro-batches there (empty elsewhere).
         """
-        from megatron.core.packed_seq_params import PackedSeqParams
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        from areal.engine.megatron_model import packed_seq_params_class
 
         temperature = float(self.config.temperature)
         tp_group = self._tp_group
+        packed_seq_params = packed_seq_params_class()
+        streams: dict[int, ContextParallelStream] = {}
+        if self.parallel.cp_size > 1:
+            streams = {id(mb): self._context_parallel_stream(mb) for mb in mbs}
 
         def forward_step(data_iterator, model):
             mb = next(data_iterator)
-            cu = mb["cu_seqlens"].to(torch.int32)
-            seqlen = int(mb["max_seqlen"])
-            packed = PackedSeqParams(
+            stream = streams.get(id(mb))
+            if stream is None:
+                cu = mb["cu_seqlens"].to(torch.int32)
+                seqlen, shard = int(mb["max_seqlen"]), None
+                input_ids, position_ids = mb["input_ids"], mb["position_ids"]
+                labels = next_token_labels(input_ids[0], cu)
+            else:  # attention and rotary embeddings see the padded global stream's bounds
+                shard = stream.shard
+                cu, seqlen = shard.cu_seqlens, shard.max_seqlen
+                input_ids, position_ids, labels = (
+                    stream.input_ids, stream.position_ids, stream.labels
+                )  # fmt: skip
+            packed = packed_seq_params(
                 qkv_format="thd",
                 cu_seqlens_q=cu,
                 cu_seqlens_kv=cu,
                 max_seqlen_q=seqlen,
                 max_seqlen_kv=seqlen,
+                context_shard=shard,
             )
             output = model(
-                input_ids=mb["input_ids"],
-                position_ids=mb["position_ids"],
+                input_ids=input_ids,
+                position_ids=position_ids,
                 attention_mask=None,
                 packed_seq_params=packed,
             )
 
             def loss_func(logits: torch.Tensor):
-                labels = next_token_labels(mb["input_ids"][0], cu)
                 if self._chunked_head:  # "logits" are the final hidden states [1, T, H]
                     weight = self._head_weights.pop()
                     hidden = logits[0]
@@ -296,18 +343,28 @@ class MegatronEngine(
                     logp, entropy = vocab_parallel_logprobs(
                         logits[0], labels, tp_group, temperature
                     )
+                if stream is not None:
+                    logp, entropy = stream.gather(logp, entropy)
                 return loss_of(mb, logp, entropy)
 
             return output, loss_func
 
         n_chunks = len(self.model)
         iterators = [iter(mbs) for _ in range(n_chunks)]
+        # the schedule's pipeline buffers hold seq_length / c tokens (/ t with sequence
+        # parallelism): under CP that is a share of the padded stream
+        seq_length = max(
+            int(streams[id(mb)].input_ids.shape[-1]) * self.parallel.cp_size
+            if streams
+            else int(mb["input_ids"].shape[-1])
+            for mb in mbs
+        )
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iterators if n_chunks > 1 else iterators[0],
             model=self.model if n_chunks > 1 else self.model[0],
             num_microbatches=len(mbs),
-            seq_length=max(int(mb["input_ids"].shape[-1]) for mb in mbs),
+            seq_length=seq_length,
             micro_batch_size=1,
             forward_only=forward_only,
         )
@@ -350,8 +407,11 @@ class MegatronEngine(
         if total <= 0:
             logger.warning("train_batch: no trainable tokens in the global batch; step skipped")
             return {"update_successful": 0.0, "grad_norm": 0.0, "lr": self._lr(), "loss": 0.0}
-        # the schedule divides each loss by the micro-batch count, DDP averages over DP
-        factor = self.data_parallel_world_size * len(mb_list.mbs) / total
+        # the schedule divides each loss by the micro-batch count, DDP averages over DP; under
+        # CP the schedule multiplies each loss by c, the gather's backward sums the c ranks'
+        # equal gradients, and DDP averages over the d x c ranks: c x c / c = c too many
+        cp = self.parallel.cp_size
+        factor = self.data_parallel_world_size * len(mb_list.mbs) / (total * cp)
         weight_of = {id(mb): w for mb, w in zip(mb_list.mbs, weights, strict=True)}
 
         def loss_of(mb, logp, entropy):

@@ -15,6 +15,7 @@ import torch
 
 from areal.api.cli_args import TrainEngineConfig
 from areal.engine.attention import packed_causal_attention
+from areal.engine.context_parallel import context_parallel_attention
 from areal.engine.train_common import to_dtype
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "fuse_torch_adam",
     "local_layer_spec",
     "packed_core_attention_class",
+    "packed_seq_params_class",
     "sequence_parallel_for",
     "transformer_overrides",
     "unwrap",
@@ -32,6 +34,26 @@ __all__ = [
 
 
 # --- layers: Megatron's local modules, packed attention ---
+
+
+@functools.cache
+def packed_seq_params_class():
+    """Megatron's ``PackedSeqParams`` with the rank's context-parallel share of the stream.
+
+    ``context_shard`` (a :class:`~areal.engine.context_parallel.ContextShard`, ``None`` at
+    ``c1``) rides along with the packed-sequence parameters, which Megatron hands unchanged
+    to every attention module, recomputation included.
+    """
+    from dataclasses import dataclass
+    from typing import Any as AnyShard
+
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    @dataclass
+    class ShardedPackedSeqParams(PackedSeqParams):
+        context_shard: AnyShard = None
+
+    return ShardedPackedSeqParams
 
 
 @functools.cache
@@ -44,18 +66,23 @@ def packed_core_attention_class():
 
         ``query`` ``[T, Hq, D]``, ``key``/``value`` ``[T, Hkv, D]`` (Megatron squeezes the
         batch dim for THD); returns ``[T, Hq, D]``. Attention never crosses a segment.
+        Under context parallelism ``T`` is this rank's share (``packed_seq_params.
+        context_shard``): keys and values are gathered over the CP group.
         """
 
         def __init__(self, config, layer_number, attn_mask_type, attention_type, **kwargs):
             super().__init__(config=config)
-            if config.context_parallel_size != 1:
-                raise ValueError("context parallelism needs Transformer Engine attention")
             self.softmax_scale = kwargs.get("softmax_scale")
 
         def forward(self, query, key, value, attention_mask, attn_mask_type=None,
                     attention_bias=None, packed_seq_params=None):  # fmt: skip
             if packed_seq_params is None:
                 raise ValueError("PackedCoreAttention needs packed (THD) inputs")
+            shard = getattr(packed_seq_params, "context_shard", None)
+            if shard is not None and shard.size > 1:
+                return context_parallel_attention(
+                    query, key, value, shard, scale=self.softmax_scale
+                )
             cu = packed_seq_params.cu_seqlens_q
             return packed_causal_attention(
                 query, key, value, cu, int(packed_seq_params.max_seqlen_q),

@@ -4,7 +4,8 @@ Megatron-Core's tensor / pipeline / context / expert / data groups come from the
 allocation string (``megatron:d2t2p1``, or ``megatron:(attn:...|ffn:...)`` for MoE), in
 Megatron's ``tp-cp-ep-dp-pp`` order, plus a gloo group over every rank. One rank per
 data-parallel replica (TP rank 0, CP rank 0, last pipeline stage) reports loss and
-statistics: the others hold copies or nothing.
+statistics: the others hold copies (every CP rank computes the same loss on the gathered
+micro-batch) or nothing.
 """
 
 from __future__ import annotations
@@ -53,11 +54,6 @@ class MegatronParallelGroups:
                 f"p{parallel_strategy.pp_size} c{parallel_strategy.cp_size}) but "
                 f"torch.distributed has {world}"
             )
-        if parallel_strategy.cp_size > 1:
-            raise ValueError(
-                "context parallelism (c > 1) needs Transformer Engine attention, which this "
-                "engine does not use; use t (tensor) or p (pipeline) parallelism instead"
-            )
         return parallel_strategy
 
     def create_process_group(self, parallel_strategy: Any = None) -> None:
@@ -87,8 +83,13 @@ class MegatronParallelGroups:
             if dist.get_backend() != "gloo"
             else dist.group.WORLD
         )
-        self._mp_group = parallel_state.get_model_parallel_group()
-        # ranks whose loss and statistics count: one per data-parallel replica
+        self._mp_group = (
+            parallel_state.get_model_parallel_group()
+            if p.cp_size == 1
+            else self._replica_group(parallel_state.get_data_parallel_rank())
+        )
+        # ranks whose loss and statistics count: one per data-parallel replica (the CP ranks
+        # of a replica record the same statistics of the same micro-batches)
         reporter = (
             parallel_state.get_tensor_model_parallel_rank() == 0
             and parallel_state.get_context_parallel_rank() == 0
@@ -101,6 +102,19 @@ class MegatronParallelGroups:
             self._reporters, backend="gloo", timeout=PROCESS_GROUP_TIMEOUT
         )
         self._groups_ready = True
+
+    def _replica_group(self, dp_rank: int) -> dist.ProcessGroup:
+        """The ranks of this data-parallel replica (tensor x context x pipeline): Megatron's
+        model-parallel group leaves out the context-parallel ranks, which take the same data."""
+        ranks_of = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks_of, dp_rank, group=self._cpu_group)
+        mine = None
+        for replica in sorted(set(ranks_of)):  # every rank creates every group, in order
+            members = [r for r, d in enumerate(ranks_of) if d == replica]
+            group = dist.new_group(members, timeout=PROCESS_GROUP_TIMEOUT)
+            if replica == dp_rank:
+                mine = group
+        return mine
 
     def _destroy_process_groups(self) -> None:
         from megatron.core import parallel_state

@@ -21,6 +21,11 @@ checkpoints are unchanged. The packed path:
   :func:`areal.engine.kda.kda_delta_rule`: flash-linear-attention's varlen ``chunk_kda`` on
   CUDA when installed, otherwise the port's chunked torch recurrence, the same code the
   Megatron bridge runs.
+
+Under context parallelism the layer receives its rank's :class:`ContextShard` in the keyword
+argument :data:`~areal.engine.context_parallel.CP_KWARG` and ``hidden_states`` holds only
+that rank's ``T / c`` tokens; the per-token projections stay local and the convolution and
+recurrence run through :func:`areal.engine.kda_context_parallel.context_parallel_kda`.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from areal.engine.kda import kda_delta_rule, packed_causal_conv1d
+from areal.engine.context_parallel import CP_KWARG, ContextShard
+from areal.engine.kda_context_parallel import context_parallel_kda, conv_delta_rule
 
 __all__ = ["enable_packed_sequences", "packed_kda_forward"]
 
@@ -64,13 +70,16 @@ def _packed_class(base: type[nn.Module]) -> type[nn.Module]:
         **kwargs: Any,
     ) -> torch.Tensor:
         cu_seqlens = kwargs.get("cu_seq_lens_q")
-        if cu_seqlens is None or cache is not None:
+        shard = kwargs.pop(CP_KWARG, None)
+        if shard is not None and cache is not None:
+            raise ValueError("context parallelism has no cached KDA forward")
+        if (cu_seqlens is None and shard is None) or cache is not None:
             return base.forward(
                 self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs
             )
         if attention_mask is not None:
             raise ValueError("a packed KDA forward takes no attention_mask")
-        return packed_kda_forward(self, hidden_states, cu_seqlens)
+        return packed_kda_forward(self, hidden_states, cu_seqlens, shard=shard)
 
     return type(
         f"Packed{base.__name__}",
@@ -80,29 +89,38 @@ def _packed_class(base: type[nn.Module]) -> type[nn.Module]:
 
 
 def packed_kda_forward(
-    layer: nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor
+    layer: nn.Module,
+    hidden_states: torch.Tensor,
+    cu_seqlens: torch.Tensor | None,
+    shard: ContextShard | None = None,
 ) -> torch.Tensor:
     """One KDA layer over a packed stream: ``hidden_states`` ``[1, T, D]`` -> ``[1, T, D]``.
 
     ``layer`` is a ``BailingHybridDeltaAttention``; its parameters are used as its own
-    forward uses them.
+    forward uses them. With ``shard`` (context parallelism) ``hidden_states`` is this rank's
+    ``[1, T / c, D]`` in local order, the segments are ``shard.cu_seqlens`` and
+    ``cu_seqlens`` is ignored.
     """
     if hidden_states.shape[0] != 1:
         raise ValueError(f"a packed stream has batch size 1, got {hidden_states.shape[0]}")
-    x = hidden_states
-    n_tokens = x.shape[1]
-    head_shape = (1, n_tokens, -1, layer.head_dim)
     if layer.activation != "silu":
         raise ValueError(f"unsupported convolution activation {layer.activation!r}")
-    mixed = torch.cat([layer.q_proj(x), layer.k_proj(x), layer.v_proj(x)], dim=-1)[0]
-    mixed = nn.functional.silu(packed_causal_conv1d(mixed, layer.conv1d.weight, cu_seqlens))
-    query, key, value = (
-        t.reshape(n_tokens, -1, layer.head_dim)
-        for t in torch.split(mixed.to(x.dtype), [layer.qkv_dim] * 3, dim=-1)
-    )
+    x = hidden_states
+    n_tokens = x.shape[1]
+    head_shape = (n_tokens, -1, layer.head_dim)
+    projections = (layer.q_proj, layer.k_proj, layer.v_proj)
+    query, key, value = (proj(x)[0].view(head_shape) for proj in projections)
+    conv_weights = layer.conv1d.weight.split(layer.qkv_dim, dim=0)  # q, k, v channels
     decay = layer.forget_gate(x)[0]
     beta = torch.sigmoid(layer.b_proj(x))[0]
-    out = kda_delta_rule(query, key, value, decay, beta, cu_seqlens).to(x.dtype)
-    gate = layer.g_proj(x).view(head_shape)
-    out = layer.o_norm(out.unsqueeze(0), gate).reshape(1, n_tokens, -1)
+    if shard is None:
+        out = conv_delta_rule(
+            query, key, value, conv_weights, decay, beta, cu_seqlens, conv_dtype=x.dtype
+        )
+    else:
+        out = context_parallel_kda(
+            query, key, value, conv_weights, decay, beta, shard, conv_dtype=x.dtype
+        )
+    gate = layer.g_proj(x).view(1, *head_shape)
+    out = layer.o_norm(out.to(x.dtype).unsqueeze(0), gate).reshape(1, n_tokens, -1)
     return layer.o_proj(out)

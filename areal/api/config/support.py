@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from areal.api.alloc_mode import ModelAllocation
@@ -12,6 +15,7 @@ from areal.api.config.train import parse_backend
 
 if TYPE_CHECKING:
     from areal.api.config.ppo import PPOConfig
+    from areal.api.config.train import TrainEngineConfig
 
 __all__ = ["SUPPORTED_COLOCATION", "refuse_unsupported", "unsupported"]
 
@@ -49,29 +53,84 @@ def _awex(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
         )
 
 
-def _megatron_context_parallel(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
-    # The hybrid form carries c in its attention part, which the parser puts in cp_size.
-    cp = layout.actor.parallel.cp_size
-    if layout.actor.backend == "megatron" and cp > 1:
-        yield FieldError(
-            "actor.backend",
-            f"context parallelism c{cp} in {cfg.actor.backend!r} needs Transformer Engine "
-            "attention, which this port's Megatron engine does not use; use t (tensor) or "
-            "p (pipeline) parallelism instead of c, keeping the same number of GPUs",
-        )
-
-
-def _fsdp_data_parallel_only(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+def _fsdp_tensor_parallel(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
     # p > 1 and e > 1 never get here: the allocation parser already refuses them for fsdp.
     p = layout.actor.parallel
-    extra = [f"{k}{v}" for k, v in (("t", p.tp_size), ("c", p.cp_size)) if v > 1]
-    if layout.actor.backend == "fsdp" and extra:
+    if layout.actor.backend == "fsdp" and p.tp_size > 1:
+        c = f"c{p.cp_size}" if p.cp_size > 1 else ""
         yield FieldError(
             "actor.backend",
-            f"the FSDP engine is data parallel only, but {cfg.actor.backend!r} asks for "
-            f"{' '.join(extra)}; use 'fsdp:d{p.world_size}' (d only) or a megatron backend "
-            "for tensor parallelism",
+            f"the FSDP engine is data and context parallel only, but {cfg.actor.backend!r} "
+            f"asks for t{p.tp_size}; use 'fsdp:d{p.dp_size * p.tp_size}{c}' (d and c only) "
+            "or a megatron backend for tensor parallelism",
         )
+
+
+def _context_parallel(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    engines = [("actor", cfg.actor, layout.actor)]
+    ref = cfg.ref_config()
+    if ref is not None and cfg.ref is not None:  # a ref without its own section copies actor
+        with contextlib.suppress(FieldError):  # a bad ref.backend is _reference_model's
+            engines.append(("ref", ref, parse_backend(ref.backend)))
+    for section, engine, allocation in engines:
+        if allocation.backend in ("fsdp", "megatron") and allocation.parallel.cp_size > 1:
+            yield from _context_parallel_fits(cfg, section, engine, allocation)
+
+
+def _context_parallel_fits(
+    cfg: PPOConfig, section: str, engine: TrainEngineConfig, allocation: ModelAllocation
+) -> Iterator[FieldError]:
+    """What context parallelism needs of ``section``'s engine."""
+    c = allocation.parallel.cp_size
+    budget = engine.mb_spec.max_tokens_per_mb
+    if budget is not None and budget < 2 * c:
+        yield FieldError(
+            f"{section}.mb_spec.max_tokens_per_mb",
+            f"{budget} tokens cannot hold one sequence under c{c}: every sequence is padded to "
+            f"a multiple of 2c = {2 * c} tokens; set {section}.mb_spec.max_tokens_per_mb to at "
+            f"least {2 * c} (or null)",
+        )
+    gpus = cfg.cluster.n_gpus_per_node
+    if gpus > 0 and gpus % c and c % gpus:
+        yield FieldError(
+            f"{section}.backend",
+            f"c{c} in {engine.backend!r} does not fit cluster.n_gpus_per_node {gpus}: a "
+            "context-parallel group (c consecutive ranks) would straddle nodes unevenly, "
+            f"with keys and values gathered in every layer; use a c that divides {gpus}",
+        )
+    kind = _uncovered_attention(engine.path)
+    if kind is not None:
+        fix = (
+            f"use 'fsdp:d{allocation.parallel.world_size}' (no c)"
+            if allocation.backend == "fsdp"
+            else f"drop c from {section}.backend (keep the GPU count with d, t or p)"
+        )
+        yield FieldError(
+            f"{section}.backend",
+            f"context parallelism c{c} in {engine.backend!r} covers full causal attention, but "
+            f"the model at {section}.path {engine.path!r} has {kind}; {fix} for this model",
+        )
+
+
+def _uncovered_attention(path: str) -> str | None:
+    """The attention kind of the HF model at ``path`` that the context-parallel path does
+    not compute (sliding windows, logit soft-capping), or None (also for no local config)."""
+    config_file = Path(path) / "config.json" if path else None
+    if config_file is None or not config_file.is_file():
+        return None
+    try:
+        hf = json.loads(config_file.read_text())
+    except (OSError, ValueError):
+        return None
+    window = hf.get("sliding_window")
+    if window and hf.get("use_sliding_window", True):
+        return f"sliding-window layers (sliding_window: {window})"
+    if "sliding_attention" in (hf.get("layer_types") or []):
+        return "sliding-window layers (layer_types: sliding_attention)"
+    softcap = hf.get("attn_logit_softcapping")
+    if softcap:
+        return f"attention logit soft-capping (attn_logit_softcapping: {softcap})"
+    return None
 
 
 def _lora(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
@@ -287,8 +346,8 @@ def _batch_per_rank(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
 
 CHECKS: tuple[Check, ...] = (
     _awex,
-    _megatron_context_parallel,
-    _fsdp_data_parallel_only,
+    _fsdp_tensor_parallel,
+    _context_parallel,
     _colocation,
     _lora,
     _reference_model,

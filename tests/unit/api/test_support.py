@@ -82,16 +82,18 @@ def test_disk_and_xccl_are_accepted(mode):
 
 
 @pytest.mark.parametrize(
-    ("backend", "cp"),
-    [("megatron:d2c2", 2), ("megatron:(attn:d1p1t2c2|ffn:d1e4)", 2)],
-    ids=["plain", "hybrid"],
+    "backend", ["megatron:d2c2", "megatron:(attn:d1p1t2c2|ffn:d1e4)"], ids=["plain", "hybrid"]
 )
-def test_megatron_context_parallelism_is_refused(backend, cp):
+def test_megatron_context_parallelism_is_accepted(backend):
+    assert refused({"actor.backend": backend}) == []
+
+
+def test_megatron_context_parallelism_needs_a_budget_of_two_c_tokens():
     only(
-        {"actor.backend": backend},
-        "actor.backend",
-        f"context parallelism c{cp} in {backend!r} needs Transformer Engine attention",
-        "use t (tensor) or p (pipeline) parallelism instead of c",
+        {"actor.backend": "megatron:d1c4", "actor.mb_spec.max_tokens_per_mb": 7},
+        "actor.mb_spec.max_tokens_per_mb",
+        "7 tokens cannot hold one sequence under c4",
+        "at least 8",
     )
 
 
@@ -100,23 +102,18 @@ def test_megatron_tensor_and_pipeline_parallelism_are_accepted(backend):
     assert refused({"actor.backend": backend}) == []
 
 
-# --- 3. FSDP is data parallel only ---
+# --- 3. FSDP is data and context parallel only ---
 
 
 @pytest.mark.parametrize(
-    ("backend", "dims", "fix"),
-    [
-        ("fsdp:d2t2", "t2", "'fsdp:d4'"),
-        ("fsdp:d2c2", "c2", "'fsdp:d4'"),
-        ("fsdp:t2c2", "t2 c2", "'fsdp:d4'"),
-    ],
+    ("backend", "fix"), [("fsdp:d2t2", "'fsdp:d4'"), ("fsdp:t2c2", "'fsdp:d2c2'")]
 )
-def test_fsdp_tensor_or_context_parallelism_is_refused(backend, dims, fix):
+def test_fsdp_tensor_parallelism_is_refused(backend, fix):
     only(
         {"actor.backend": backend},
         "actor.backend",
-        f"the FSDP engine is data parallel only, but {backend!r} asks for {dims}",
-        f"use {fix} (d only) or a megatron backend",
+        f"the FSDP engine is data and context parallel only, but {backend!r} asks for t2",
+        f"use {fix} (d and c only) or a megatron backend",
     )
 
 
@@ -366,15 +363,12 @@ def test_the_toy_profile_is_supported(profile_env):
     assert unsupported(cfg) == []
 
 
-def test_flash_v3_is_refused_for_awex_context_parallelism_and_its_colocation(profile_env):
+def test_flash_v3_is_refused_for_awex_and_its_colocation(profile_env):
     cfg, _ = load_expr_config(["--config", str(SWE_DIR / "arena_flash_v3.yaml")], SWEPPOConfig)
     assert [str(e) for e in unsupported(cfg)] == [
         "actor.weight_update_mode: awex is not implemented in this port; set "
         "actor.weight_update_mode: xccl (NCCL broadcast to the servers) or disk (save, then "
         "the servers reload)",
-        "actor.backend: context parallelism c8 in 'megatron:(attn:d2p2t2c8|ffn:d4p2e8)' needs "
-        "Transformer Engine attention, which this port's Megatron engine does not use; use t "
-        "(tensor) or p (pipeline) parallelism instead of c, keeping the same number of GPUs",
         "rollout.backend: colocated rollout 'sglang:d16t4p1' has 16 server(s) for 64 actor "
         "worker(s) and servers of t4 p1 (several GPUs each); set rollout.backend: "
         "'sglang:d64t1p1' or rollout.scheduling_strategy.type: separation (the one "
