@@ -161,9 +161,8 @@ def _probe_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:
     def run(repeat: int) -> list[torch.Tensor]:
         leaves = [x.clone().requires_grad_() for x in (q, k, v)]
         qq, kk, vv = leaves
-        out = _call_varlen(
-            qq, kk.repeat_interleave(repeat, 1), vv.repeat_interleave(repeat, 1), cu, 7, kwargs
-        )
+        kk, vv = (x.repeat_interleave(repeat, 1) for x in (kk, vv))
+        out = _call_varlen(qq, kk, vv, (cu, 7), (cu, 7), kwargs)
         grads = torch.autograd.grad((out * upstream).sum(), leaves)
         return [out, *grads]
 

@@ -48,11 +48,20 @@ def sampled(rollouts: list[dict]) -> list[tuple[str, str]]:
 
 
 @pytest.mark.parametrize(
-    ("c1", "c2"), [("fsdp:d1", "fsdp:d1c2"), ("megatron:d1p1t1c1", "megatron:d1p1t1c2")]
+    ("model", "c1", "c2"),
+    [
+        ("tiny_model_dir", "fsdp:d1", "fsdp:d1c2"),
+        ("tiny_model_dir", "megatron:d1p1t1c1", "megatron:d1p1t1c2"),
+        ("bailing_model_dir", "fsdp:d1", "fsdp:d1c2"),
+        ("bailing_model_dir", "megatron:d1p1t1c1", "megatron:d1p1t1c2"),
+    ],
+    ids=["qwen3-fsdp", "qwen3-megatron", "ling3-fsdp", "ling3-megatron"],
 )
-def test_context_parallel_actor_takes_the_one_rank_step(tmp_path, tiny_model_dir, c1, c2):
-    one, one_rollouts = train_two_steps(tmp_path / "c1", tiny_model_dir, c1)
-    two, two_rollouts = train_two_steps(tmp_path / "c2", tiny_model_dir, c2)
+def test_context_parallel_actor_takes_the_one_rank_step(request, tmp_path, model, c1, c2):
+    """Qwen3-style and Ling 3 (KDA + MLA + MoE) tiny models."""
+    model_dir = request.getfixturevalue(model)
+    one, one_rollouts = train_two_steps(tmp_path / "c1", model_dir, c1)
+    two, two_rollouts = train_two_steps(tmp_path / "c2", model_dir, c2)
     assert one_rollouts and sampled(one_rollouts) == sampled(two_rollouts), "different batches"
     assert [s["global_step"] for s in two] == [0, 1]
     first, reference = two[0], one[0]

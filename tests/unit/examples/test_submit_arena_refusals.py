@@ -31,15 +31,16 @@ CASES = {
         "actor.weight_update_mode",
         "set actor.weight_update_mode: xccl",
     ),
-    "megatron-cp": (
-        "actor:\n  backend: megatron:(attn:d1p1t2c4|ffn:d1e8)\n",
-        "actor.backend",
-        "use t (tensor) or p (pipeline) parallelism instead of c",
+    "context-parallel-budget": (
+        "actor:\n  backend: megatron:(attn:d1p1t2c4|ffn:d1e8)\n  mb_spec:\n"
+        "    max_tokens_per_mb: 7\n",
+        "actor.mb_spec.max_tokens_per_mb",
+        "set actor.mb_spec.max_tokens_per_mb to at least 8",
     ),
     "fsdp-tp": (
         "actor:\n  backend: fsdp:d4t2\n",
         "actor.backend",
-        "use 'fsdp:d8' (d only) or a megatron backend",
+        "use 'fsdp:d8' (d and c only) or a megatron backend",
     ),
     "colocation-shape": (
         "rollout:\n  scheduling_strategy:\n    type: colocation\n    target: actor\n",
@@ -140,7 +141,7 @@ def test_full_submission_never_starts_the_trainer(site, silent_arena):
     assert "  actor.weight_update_mode: awex is not implemented in this port" in log
 
 
-def test_flash_v3_check_arena_is_refused_with_its_three_problems(site, silent_arena):
+def test_flash_v3_check_arena_is_refused_with_its_two_problems(site, silent_arena):
     awex, fla = site.root / "src" / "awex", site.root / "src" / "fla"
     awex.mkdir(parents=True)
     fla.mkdir()
@@ -156,10 +157,9 @@ def test_flash_v3_check_arena_is_refused_with_its_three_problems(site, silent_ar
     config = str(SWE_DIR / "arena_flash_v3.yaml")
     log = assert_refused_before_arena(site, silent_arena, config)
     problems = [line.split(":")[0].strip() for line in log.splitlines() if line.startswith("  ")]
-    assert problems == ["actor.weight_update_mode", "actor.backend", "rollout.backend"]
-    assert "(3 problem(s))" in log
+    assert problems == ["actor.weight_update_mode", "rollout.backend"]
+    assert "(2 problem(s))" in log
     assert "awex is not implemented in this port" in log
-    assert "context parallelism c8 in 'megatron:(attn:d2p2t2c8|ffn:d4p2e8)'" in log
     assert "colocated rollout 'sglang:d16t4p1' has 16 server(s) for 64 actor worker(s)" in log
 
 
