@@ -107,6 +107,14 @@ class InferenceEngine(abc.ABC):
     def update_weights_from_disk(self, meta: WeightUpdateMeta) -> concurrent.futures.Future: ...
 
     @abc.abstractmethod
+    def update_weights_from_tensor(
+        self, meta: WeightUpdateMeta, payloads: list[list[str]]
+    ) -> concurrent.futures.Future:
+        """``awex``: the servers load tensors their colocated actor ranks hand over by
+        handle; ``payloads[k * t + r]``: the serialized buckets of TP rank ``r`` of this
+        engine's server ``k``."""
+
+    @abc.abstractmethod
     def set_version(self, version: int) -> None: ...
 
     @abc.abstractmethod
@@ -315,6 +323,16 @@ class TrainEngine(abc.ABC):
         """Every rank's half of one update (``disk``: save and publish the version;
         ``xccl``: broadcast the planned buckets)."""
         raise NotImplementedError(f"{type(self).__name__} does not sync weights")
+
+    def share_weights(self, meta: WeightUpdateMeta) -> list[str]:
+        """``awex``, every rank (a collective): this rank's full weights in buckets it
+        shares by handle with its colocated server rank, one serialized payload per
+        bucket; they stay alive until :meth:`release_shared_weights`."""
+        raise NotImplementedError(f"{type(self).__name__} does not share weights in place")
+
+    def release_shared_weights(self) -> None:
+        """Free what :meth:`share_weights` shared (every server has answered)."""
+        raise NotImplementedError(f"{type(self).__name__} does not share weights in place")
 
     @abc.abstractmethod
     def set_version(self, version: int) -> None: ...

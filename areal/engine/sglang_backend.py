@@ -117,6 +117,29 @@ class SGLangBackend:
         }
         return WeightUpdateRequests([HttpRequest("/update_weights_from_distributed", payload)])
 
+    def begin_weight_update_request(self) -> HttpRequest:
+        """Open a weight-update session (SGLang 0.5.23 loads tensors, by handle or by
+        broadcast, only inside one; 0.5.10.post1 has no such route)."""
+        return HttpRequest("/begin_weight_update", {})
+
+    def end_weight_update_request(self) -> HttpRequest:
+        return HttpRequest("/end_weight_update", {})
+
+    def build_tensor_weight_update_request(
+        self, serialized_named_tensors: list[str], *, flush_cache: bool, weight_version: str | None
+    ) -> HttpRequest:
+        """One bucket handed over by handle: one serialized ``flattened_bucket`` per TP rank
+        of the server (see :mod:`areal.engine.tensor_share`)."""
+        payload: dict[str, Any] = {
+            "serialized_named_tensors": list(serialized_named_tensors),
+            "load_format": "flattened_bucket",
+            "flush_cache": flush_cache,
+            "abort_all_requests": False,  # the weight-update barrier paused the server
+        }
+        if weight_version is not None:
+            payload["weight_version"] = weight_version
+        return HttpRequest("/update_weights_from_tensor", payload)
+
     def pause_requests(self) -> list[HttpRequest]:
         return [
             HttpRequest("/pause_generation", {}),

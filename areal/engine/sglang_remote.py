@@ -215,6 +215,12 @@ class RemoteInfEngine(RolloutWorkerEngine):
         """Load ``meta.path`` on every server once the trainer has published it."""
         return self.weights.update_weights_from_disk(meta)
 
+    def update_weights_from_tensor(
+        self, meta: WeightUpdateMeta, payloads: list[list[str]]
+    ) -> concurrent.futures.Future:
+        """``awex``: every server loads the buckets its colocated actor ranks share."""
+        return self.weights.update_weights_from_tensor(meta, payloads)
+
     def init_weights_update_group(
         self, meta: WeightUpdateMeta, first_server_index: int = 0
     ) -> concurrent.futures.Future:

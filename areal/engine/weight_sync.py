@@ -83,6 +83,13 @@ def push_weights(
     barrier must be closed (``begin_weight_update``); its servers serve the new weights
     when this returns.
     """
+    if meta.type == "awex":  # handles first, then the loads: nothing runs concurrently
+        payloads = trainer.share_weights(meta)
+        try:
+            rollout.receive_weights(meta, payloads=payloads)
+        finally:
+            trainer.release_shared_weights()
+        return
     if meta.type == "xccl" and buckets is None:
         raise RuntimeError("connect_weight_sync() before pushing weights over xccl")
     failure = BUCKET_FAILURE if meta.type == "xccl" else LOAD_FAILURE
@@ -157,6 +164,38 @@ class RolloutWeightSync:
             size += nbytes
         if bucket:
             yield bucket
+
+    def share_weights(self, meta: WeightUpdateMeta) -> list[str]:
+        """``awex`` (every rank, a collective): this rank's full weights in the sent dtype,
+        in buckets of at most ``weight_chunked_mem_mb`` shared by handle with the colocated
+        server (CUDA IPC on GPUs, shared memory on CPU); one serialized payload per
+        bucket. Kept alive until :meth:`release_shared_weights`."""
+        from areal.engine.tensor_share import SharedBuckets
+
+        self.release_shared_weights()
+        shared = self._shared_weights = SharedBuckets()
+        dtype = _dtype(self.config.dtype)
+        budget = meta.weight_chunked_mem_mb * 1024 * 1024
+        payloads: list[str] = []
+        bucket: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, full in self._weights_for_inference():
+            nbytes = full.numel() * dtype.itemsize
+            if bucket and size + nbytes > budget:
+                payloads.append(shared.share(bucket, self.device))
+                bucket, size = [], 0
+            bucket.append((name, full.detach().to(device=self.device, dtype=dtype)))
+            size += nbytes
+        if bucket:
+            payloads.append(shared.share(bucket, self.device))
+        return payloads
+
+    def release_shared_weights(self) -> None:
+        """Free the buckets :meth:`share_weights` shared (every server has answered)."""
+        shared = getattr(self, "_shared_weights", None)
+        if shared is not None:
+            shared.release()
+            self._shared_weights = None
 
     def send_weights(self, meta: WeightUpdateMeta) -> None:
         """The trainer's half of one update (every rank; see the module docstring)."""
@@ -238,14 +277,26 @@ class RolloutWeightSync:
         rollout = self.rollout_engine
         if rollout is None:
             raise RuntimeError("connect_engine() the rollout engine before update_weights()")
-        if meta.type not in ("disk", "xccl"):
-            raise ValueError(f"weight update type {meta.type!r} is not supported; disk or xccl")
+        if meta.type not in ("disk", "xccl", "awex"):
+            raise ValueError(
+                f"weight update type {meta.type!r} is not supported; disk, xccl or awex"
+            )
         version = self._version if meta.version is None else meta.version
         meta = dataclasses.replace(meta, version=version)
         rank0 = dist.get_rank() == 0
         if rank0:
             rollout.begin_weight_update(version)
-        if meta.type == "disk":  # the load reads what the save wrote
+        if meta.type == "awex":  # rank 0 hands every rank's buckets to the servers
+            mine = self.share_weights(meta)
+            payloads: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(payloads, mine, group=self._cpu_group)
+            try:
+                if rank0:
+                    rollout.update_weights_from_tensor(meta, payloads).result()
+            finally:
+                dist.barrier(group=self._cpu_group)
+                self.release_shared_weights()
+        elif meta.type == "disk":  # the load reads what the save wrote
             self.send_weights(meta)
             if rank0:
                 rollout.update_weights_from_disk(meta).result()

@@ -33,6 +33,7 @@ MAX_TENSOR_NAME_CHARS = 1024
 MAX_TENSORS = 1 << 16  # per weight bucket
 MAX_DIMS = 16  # per tensor shape
 MAX_WORLD_SIZE = 1 << 20  # ranks in a weight-update group
+MAX_PAYLOAD_CHARS = 4 << 20  # one TP rank's serialized tensor handles (base64)
 MAX_STOP_STRINGS = 1024
 MAX_STOP_CHARS = 4096
 MAX_TOKEN_LIST = 1 << 18  # stop token ids (more than any vocabulary)
@@ -163,6 +164,21 @@ class DistributedUpdateBody(BaseModel):
     shapes: list[Shape] = Field(max_length=MAX_TENSORS)
     group_name: str = Field("weight_update_group", min_length=1, max_length=MAX_NAME_CHARS)
     abort_all_requests: bool = False  # SGLang's defaults
+
+
+class TensorUpdateBody(BaseModel):
+    """``/update_weights_from_tensor`` (SGLang's ``UpdateWeightsFromTensorReqInput``)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    # one base64 ForkingPickler dump per TP rank (see areal.inference.tensor_payloads)
+    serialized_named_tensors: list[Annotated[str, Field(max_length=MAX_PAYLOAD_CHARS)]] = Field(
+        min_length=1, max_length=MAX_WORLD_SIZE
+    )
+    load_format: Name | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False  # SGLang's defaults
+    weight_version: Name | None = None
 
 
 class MemoryBody(BaseModel):

@@ -11,7 +11,10 @@ Endpoints: ``GET /health``, ``GET /get_model_info``, ``GET /get_server_info``,
 ``POST /release_memory_occupation``, ``POST /resume_memory_occupation``,
 ``POST /update_weight_version``, ``GET /get_weight_version`` (the weight version is also
 in every ``/generate``'s ``meta_info``, as SGLang reports it),
-``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``. Bad
+``POST /init_weights_update_group``, ``POST /update_weights_from_distributed``,
+``POST /begin_weight_update``, ``POST /update_weights_from_tensor`` (tensors handed over
+by handle from a colocated process, read by :mod:`areal.inference.tensor_payloads`; only
+inside a session, as SGLang 0.5.23 requires) and ``POST /end_weight_update``. Bad
 requests get HTTP 400 with ``{"error": {"message", "type", "param"}}``, an oversized field
 included (:mod:`areal.inference.bodies` bounds every string and list); the server keeps
 serving. A request whose generation fails alone (see :mod:`areal.inference.engine`) gets
@@ -61,6 +64,7 @@ from areal.inference.bodies import (
     InitWeightsGroupBody,
     MemoryBody,
     PauseBody,
+    TensorUpdateBody,
     UpdateFromDiskBody,
     WeightVersionBody,
 )
@@ -363,6 +367,26 @@ def create_app(
             group_name=body.group_name,
             abort_all_requests=body.abort_all_requests,
         )
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await run_command("begin_weight_update")
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(body: dict[str, Any] | None = None) -> dict[str, Any]:
+        return await run_command("end_weight_update")
+
+    @app.post("/update_weights_from_tensor")
+    async def update_from_tensor(body: TensorUpdateBody) -> dict[str, Any]:
+        answer = await run_command(
+            "update_weights_from_tensor",
+            serialized_named_tensors=body.serialized_named_tensors,
+            load_format=body.load_format,
+            abort_all_requests=body.abort_all_requests,
+        )
+        if body.weight_version is not None:
+            weight_version["value"] = body.weight_version
+        return answer  # flush_cache: this server keeps no prefix cache across requests
 
     # the last added runs first: authentication before any body byte is read
     app.add_middleware(BodyLimitMiddleware, limits=limits, error_shape=limit_error)

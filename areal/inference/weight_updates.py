@@ -24,6 +24,7 @@ import torch
 
 from areal import models
 from areal.inference.errors import RequestError, settle
+from areal.inference.tensor_payloads import read_named_tensors
 from areal.inference.weight_group import (
     BROADCAST_TIMEOUT_S,
     WeightUpdateRanks,
@@ -61,6 +62,7 @@ class WeightUpdates:
         if weight_group_timeout <= 0:
             raise ValueError(f"weight_group_timeout must be > 0, got {weight_group_timeout}")
         self.weight_group_timeout = float(weight_group_timeout)
+        self._weight_session = False  # between /begin_weight_update and /end_weight_update
 
     def join_weight_group(
         self,
@@ -135,6 +137,58 @@ class WeightUpdates:
                 targets[name].copy_(tensor)
         if self._running:  # cached keys/values come from the old weights
             logger.info("weights updated with %d requests still running", len(self._running))
+
+    def _cmd_begin_weight_update(self) -> dict[str, Any]:
+        """Open a weight-update session (SGLang 0.5.23 loads tensors only inside one)."""
+        if self._weight_session:
+            raise RequestError(
+                "a weight-update session is already open; call end_weight_update() first"
+            )
+        self._weight_session = True
+        return {"success": True, "message": "Success"}
+
+    def _cmd_end_weight_update(self) -> dict[str, Any]:
+        if not self._weight_session:
+            raise RequestError("no weight-update session is open; call begin_weight_update() first")
+        self._weight_session = False
+        return {"success": True, "message": "Success"}
+
+    def _cmd_update_weights_from_tensor(
+        self,
+        serialized_named_tensors: list[str],
+        load_format: str | None,
+        abort_all_requests: bool = False,
+    ) -> dict[str, Any]:
+        """Load tensors handed over by handle (CUDA IPC, shared memory), as SGLang does:
+        TP rank ``r`` reads entry ``r`` only. This server runs the model on one device:
+        every rank's tensors are read and checked, rank 0's are loaded."""
+        if not self._weight_session:
+            raise RequestError(
+                "update_weights_from_tensor must run between begin_weight_update() and "
+                "end_weight_update()"
+            )
+        if len(serialized_named_tensors) != len(self.tp_devices):
+            raise RequestError(
+                f"serialized_named_tensors has {len(serialized_named_tensors)} entries for "
+                f"a server of {len(self.tp_devices)} TP rank(s): send one per TP rank",
+                "serialized_named_tensors",
+            )
+        ranks = [read_named_tensors(p, load_format) for p in serialized_named_tensors]
+        first = [(name, tuple(t.shape)) for name, t in ranks[0]]
+        for tp_rank, named in enumerate(ranks[1:], start=1):
+            if [(name, tuple(t.shape)) for name, t in named] != first:
+                raise RequestError(
+                    f"TP rank {tp_rank}'s tensors differ from TP rank 0's in names or shapes",
+                    "serialized_named_tensors",
+                )
+        state = dict(ranks[0])
+        if len(state) != len(ranks[0]):
+            raise RequestError("a tensor name appears twice", "serialized_named_tensors")
+        self._load_tensors(state, abort_all_requests)
+        logger.info(
+            "loaded %d tensors handed over by handle for %d TP rank(s)", len(state), len(ranks)
+        )
+        return {"success": True, "message": "Success"}
 
     def _cmd_start_weight_group_join(
         self, answer: concurrent.futures.Future, group_name: str, backend: str, **spec: Any

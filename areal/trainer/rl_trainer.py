@@ -212,16 +212,18 @@ class PPOTrainer:
                 / "weight_update"
             )
             return WeightUpdateMeta(type="disk", path=str(root))
-        if mode == "xccl":
+        if mode in ("xccl", "awex"):
             layout = parse_backend(cfg.rollout.backend).parallel
             return WeightUpdateMeta(
-                type="xccl",
+                type=mode,
                 gen_tp_size=layout.tp_size,
                 gen_pp_size=layout.pp_size,
                 gen_n_servers=layout.dp_size,
                 weight_chunked_mem_mb=1024,
             )
-        raise ValueError(f"actor.weight_update_mode {mode!r} is not supported here; disk or xccl")
+        raise ValueError(
+            f"actor.weight_update_mode {mode!r} is not supported here; disk, xccl or awex"
+        )
 
     def _meta_for(self, version: int) -> WeightUpdateMeta:
         meta = dataclasses.replace(self.weight_update_meta, version=version)

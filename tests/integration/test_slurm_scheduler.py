@@ -24,8 +24,9 @@ from areal.api.cli_args import (
     SchedulingSpec,
     SchedulingStrategy,
 )
-from areal.api.scheduler_api import RPC_TOKEN_ENV, Job
-from areal.infra.rpc.processes import process_alive
+from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Worker
+from areal.infra.rpc.client import RPCClient
+from areal.infra.rpc.processes import descendant_pids, process_alive
 from areal.infra.scheduler.exceptions import WorkerCreationError, WorkerFailedError
 from areal.infra.scheduler.slurm import SlurmScheduler
 from areal.utils import name_resolve
@@ -76,6 +77,21 @@ def create_engines(sched: SlurmScheduler, worker_ids: list[str]) -> None:
         await asyncio.gather(*(sched.create_engine(w, ECHO) for w in worker_ids))
 
     asyncio.run(create())
+
+
+def signed_health(sched: SlurmScheduler, worker: Worker) -> dict:
+    """``worker``'s own signed ``/health`` answer (asked directly, not through the scheduler)."""
+
+    async def ask() -> dict:
+        client = RPCClient(
+            f"{worker.ip}:{worker.worker_ports[0]}", token=sched.rpc_token, worker_id=worker.id
+        )
+        try:
+            return await client.health()
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
 
 
 def wait_until(predicate, timeout: float = 10.0) -> bool:
@@ -260,6 +276,53 @@ def test_colocation_with_other_replica_count_pins_the_nodes_and_a_cancelled_job_
     assert "last words of proxy 0" in info.value.logs
     scheduler.delete_workers()
     assert slurm_cluster.job_ids() == []
+
+
+def test_one_forked_server_spans_both_actor_workers_without_a_new_job(
+    scheduler: SlurmScheduler,
+    slurm_cluster: SlurmCluster,
+):
+    # the node has no GPUs: each actor task plays "GPU <its local id>", as Slurm's
+    # gres selection would have set it (slurm_batch.gpu_selection)
+    spec = SchedulingSpec(
+        cpu=1,
+        mem=1,
+        port_count=2,
+        cmd=RPC_SERVER,
+        container_type="none",
+        additional_bash_cmds=["export CUDA_VISIBLE_DEVICES=$SLURM_LOCALID"],
+    )
+    scheduler.create_workers(Job("actor", 2, [spec]))
+    actors = {w.id: w for w in scheduler.get_workers("actor", timeout=STARTUP)}
+    assert [signed_health(scheduler, actors[w])["visible_devices"] for w in sorted(actors)] == [
+        "0",
+        "1",
+    ]
+
+    fork = SchedulingStrategy(type="colocation", target="actor", fork=True)
+    rollout_spec = SchedulingSpec(cpu=1, mem=1, cmd=RPC_SERVER, container_type="none")
+    assert scheduler.create_workers(Job("rollout", 1, [rollout_spec], fork)) == ["rollout/0"]
+    [rollout] = scheduler.get_workers("rollout")
+    assert rollout.id == "rollout/0" and len(rollout.engine_ports) == 1  # as the target
+    assert scheduler.job_ids().keys() == {"actor"}  # no Slurm job for the rollout
+    assert len(slurm_cluster.job_ids()) == 1
+
+    health = signed_health(scheduler, rollout)
+    assert health["visible_devices"] == "0,1"  # both workers' devices, in order
+    assert [signed_health(scheduler, actors[w])["forked_children"] for w in sorted(actors)] == [
+        1,
+        0,
+    ]
+    create_engines(scheduler, ["actor/0", "actor/1", "rollout/0"])
+    pids = {w: scheduler.call_engine(w, "pid") for w in ("actor/0", "actor/1", "rollout/0")}
+    assert pids["rollout/0"] in descendant_pids(pids["actor/0"])  # forked by actor/0
+    assert scheduler.call_engine("rollout/0", "get_env", "SLURM_PROCID") == "0"
+    assert scheduler.call_engine("rollout/0", "get_env", "CUDA_VISIBLE_DEVICES") == "0,1"
+    assert scheduler.call_engine("actor/1", "get_env", "CUDA_VISIBLE_DEVICES") == "1"
+
+    scheduler.delete_workers()
+    assert slurm_cluster.job_ids() == []
+    assert wait_until(lambda: not any(process_alive(p) for p in pids.values()))
 
 
 def test_impossible_requests_fail_fast_with_the_job_and_the_reason(

@@ -20,8 +20,8 @@ if TYPE_CHECKING:
 __all__ = ["SUPPORTED_COLOCATION", "refuse_unsupported", "unsupported"]
 
 SUPPORTED_COLOCATION = (
-    "the one colocation this port runs is type: colocation, target: actor, fork: true and "
-    "one t1 p1 server per actor worker"
+    "colocation runs as type: colocation, target: actor, fork: true, with N servers of TP t "
+    "(p1) on the N*t actor workers, each server's TP ranks on t consecutive actor workers"
 )
 _SGLANG_VERSIONS = "SGLang 0.5.23 (inside the supported range sglang >= 0.5.10.post1)"
 
@@ -45,11 +45,29 @@ Check = Callable[["PPOConfig", _Layout], Iterator[FieldError]]
 
 
 def _awex(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
-    if cfg.actor.weight_update_mode == "awex":
+    if cfg.actor.weight_update_mode != "awex":
+        return
+    strategy = cfg.rollout.scheduling_strategy
+    if strategy.type != "colocation" or strategy.target != "actor":
         yield FieldError(
             "actor.weight_update_mode",
-            "awex is not implemented in this port; set actor.weight_update_mode: xccl "
-            "(NCCL broadcast to the servers) or disk (save, then the servers reload)",
+            "awex hands tensors to the servers by handle (CUDA IPC, shared memory), which "
+            "never leave the host: the rollout must be colocated with the actor; set "
+            "rollout.scheduling_strategy: {type: colocation, target: actor, fork: true} or "
+            "actor.weight_update_mode: xccl (NCCL broadcast to separate servers) or disk",
+        )
+    if cfg.actor.use_lora:
+        yield FieldError(
+            "actor.weight_update_mode",
+            "awex sends full weights, not LoRA adapters; set actor.weight_update_mode: disk "
+            "for LoRA",
+        )
+    megatron = getattr(cfg.actor, "megatron", None)
+    if layout.actor.backend == "megatron" and megatron is not None and not megatron.wrap_with_ddp:
+        yield FieldError(
+            "actor.megatron.wrap_with_ddp",
+            "awex exports weights from Megatron's DDP-wrapped model; set "
+            "actor.megatron.wrap_with_ddp: true",
         )
 
 
@@ -211,15 +229,19 @@ def _colocation(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
     actor_workers = layout.actor.parallel.world_size
     r = layout.rollout.parallel
     wrong = []
-    if r.dp_size != actor_workers:
-        wrong.append(f"{r.dp_size} server(s) for {actor_workers} actor worker(s)")
-    if r.tp_size > 1 or r.pp_size > 1:
-        wrong.append(f"servers of t{r.tp_size} p{r.pp_size} (several GPUs each)")
+    if r.pp_size > 1:
+        wrong.append(f"servers of p{r.pp_size} (pipeline stages are not colocated)")
+    if r.dp_size * r.tp_size != actor_workers:
+        wrong.append(
+            f"{r.dp_size} server(s) of TP {r.tp_size} on {r.dp_size * r.tp_size} device(s) "
+            f"for {actor_workers} actor worker(s)"
+        )
     if wrong:
+        t = r.tp_size if actor_workers % r.tp_size == 0 else 1
         yield FieldError(
             "rollout.backend",
             f"colocated rollout {cfg.rollout.backend!r} has {' and '.join(wrong)}; set "
-            f"rollout.backend: '{layout.rollout.backend}:d{actor_workers}t1p1' or "
+            f"rollout.backend: '{layout.rollout.backend}:d{actor_workers // t}p1t{t}' or "
             f"{field}.type: separation ({SUPPORTED_COLOCATION})",
         )
 

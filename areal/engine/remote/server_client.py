@@ -386,6 +386,34 @@ class InferenceServerClient:
         for future in futures:
             future.result()
 
+    def open_weight_session(self, begin: bool) -> None:
+        """``/begin_weight_update`` (``begin``) or ``/end_weight_update`` on every server, one
+        try each. A server without the route (404: SGLang before 0.5.23, which loads
+        weights without a session) is skipped."""
+        request = (
+            self.backend.begin_weight_update_request()
+            if begin
+            else self.backend.end_weight_update_request()
+        )
+
+        def send(address: str) -> None:
+            response = self.http().post(
+                f"http://{address}{request.endpoint}",
+                json=request.payload,
+                headers=self.auth_headers(),
+                timeout=self.config.request_timeout,
+            )
+            if response.status_code == 404:
+                return
+            if response.status_code >= 300:
+                raise RuntimeError(
+                    f"{request.endpoint} on {address}: HTTP {response.status_code}: "
+                    f"{response.text[:300]}"
+                )
+
+        for future in [self._pool.submit(send, address) for address in self.addresses]:
+            future.result()
+
     def pause_servers(self) -> None:
         """Abort in-flight requests on every server and hold new ones."""
         self.fan_out(self.backend.pause_requests(), self.config.request_retries)

@@ -267,15 +267,33 @@ class RolloutController:
             )
 
     def receive_weights(
-        self, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]] | None = None
+        self,
+        meta: WeightUpdateMeta,
+        buckets: list[list[ParamSpec]] | None = None,
+        payloads: list[list[str]] | None = None,
     ) -> None:
         """Every server loads the update (``disk``: ``meta.path`` once the trainer has
         published it; ``xccl``: each bucket of ``buckets`` while the trainer broadcasts
-        it), then serves again; rollouts stay held until :meth:`end_weight_update`."""
+        it; ``awex``: the buckets each colocated actor rank shares by handle, ``payloads``
+        in actor rank order, worker ``i``'s server taking ranks ``i*t .. i*t + t - 1``),
+        then serves again; rollouts stay held until :meth:`end_weight_update`."""
         remote = self._remote
         with remote.busy():
             if meta.type == "disk":
                 remote.on_all(lambda worker: worker.update_weights_from_disk.acall(meta))
+            elif meta.type == "awex":
+                t = meta.gen_tp_size
+                if payloads is None or len(payloads) != len(self.workers) * t:
+                    raise ValueError(
+                        f"awex needs one payload list per actor rank: {len(self.workers)} "
+                        f"server(s) of TP {t} are colocated with "
+                        f"{len(payloads or [])} actor rank(s)"
+                    )
+                remote.on_each(
+                    lambda i, worker: worker.update_weights_from_tensor.acall(
+                        meta, payloads[i * t : (i + 1) * t]
+                    )
+                )
             else:
                 for specs in buckets or []:
                     remote.on_all(

@@ -57,6 +57,11 @@ def _alone(rank: Rank) -> Rank:
     return rank.with_options(rpc_meta=NO_BROADCAST)
 
 
+def _own_answer(rank: Rank) -> Rank:
+    """:func:`_alone`, and the rank answers for itself even off the DP head."""
+    return rank.with_options(rpc_meta={**NO_BROADCAST, "every_rank": True})
+
+
 def balanced_partition(sizes: list[int], parts: int) -> list[list[int]]:
     """Greedy longest-first assignment of items to the currently lightest part.
 
@@ -297,6 +302,13 @@ class TrainController:
     def send_weights(self, meta: WeightUpdateMeta) -> None:
         """Every rank's half of one update (the rollout side receives meanwhile)."""
         self._on_all(lambda rank: _alone(rank).send_weights.acall(meta))
+
+    def share_weights(self, meta: WeightUpdateMeta) -> list[list[str]]:
+        """``awex``: every rank's serialized buckets, in rank order (a collective)."""
+        return self._on_all(lambda rank: _own_answer(rank).share_weights.acall(meta))
+
+    def release_shared_weights(self) -> None:
+        self._on_all(lambda rank: _alone(rank).release_shared_weights.acall())
 
     def set_version(self, version: int) -> None:
         self._on_all(lambda rank: rank.set_version.acall(version))

@@ -136,7 +136,8 @@ def invoke(
 ) -> tuple[Any, bool]:
     """Runs on ``thread``: the optional DP-head broadcast, then the call. Returns the
     result (a coroutine's, run to completion) and whether this rank's answer counts
-    (non-heads of an initialized train engine answer null)."""
+    (non-heads of an initialized train engine answer null, unless ``rpc_meta`` asks for
+    ``every_rank``'s answer)."""
     train = _is_initialized_train_engine(engine)
     head = not train or engine.is_data_parallel_head()  # asked before: destroy() drops groups
     if train and rpc_meta.get("broadcast", True) is not False:
@@ -144,4 +145,4 @@ def invoke(
     result = fn(*args, **kwargs)
     if inspect.iscoroutine(result):
         result = thread.run_coroutine(result)
-    return result, head
+    return result, head or rpc_meta.get("every_rank") is True

@@ -173,6 +173,9 @@ class WorkerServer:
                 "forked_children": alive,
                 "engine_count": len(engines),
                 "engines": engines,
+                # the GPUs this worker sees: a TP server forked beside several workers sees
+                # all of theirs (areal.infra.scheduler.rpc_workers)
+                "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
             }
         )
 

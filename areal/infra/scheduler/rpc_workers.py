@@ -231,7 +231,12 @@ class RPCWorkerScheduler(Scheduler):
         strategy = job.scheduling_strategy
         if strategy is not None and strategy.type == "colocation":
             target = self._role(strategy.target)
-            if job.replicas == len(target.worker_ids):
+            n_target = len(target.worker_ids)
+            if strategy.fork and job.replicas < n_target and n_target % job.replicas == 0:
+                # a TP server on several workers' devices: beside the first of each group
+                group = n_target // job.replicas
+                return self.fork_workers(role, target.name, module_of(specs[0].cmd), group)
+            if job.replicas == n_target:
                 if strategy.fork:
                     return self.fork_workers(role, target.name, module_of(specs[0].cmd))
                 if job.secrets != target.secrets:
@@ -242,6 +247,15 @@ class RPCWorkerScheduler(Scheduler):
                     )
                 return self._alias(role, target)
             # a different replica count: new processes on the target's devices or nodes
+            if strategy.fork:
+                logger.warning(
+                    "role %r: %d replica(s) do not split %d %s worker(s) into equal groups, so "
+                    "fork is not possible; starting new processes on their devices instead",
+                    role,
+                    job.replicas,
+                    n_target,
+                    target.name,
+                )
             return self._start_role(role, specs, colocate_with=target)
         return self._start_role(role, specs, colocate_with=None)
 
@@ -410,16 +424,28 @@ class RPCWorkerScheduler(Scheduler):
 
     # --- forking ---
 
-    def fork_workers(self, role: str, target_role: str, command: str | None = None) -> list[str]:
+    def fork_workers(
+        self, role: str, target_role: str, command: str | None = None, group: int = 1
+    ) -> list[str]:
+        """One worker of ``role`` beside each of ``target_role``'s workers, or with
+        ``group`` > 1 beside the first of every ``group`` consecutive ones, seeing the
+        GPUs of the whole group (a TP server spanning their devices)."""
         self._check_new_role(role)
         target = self._role(target_role)
         target_workers = self.get_workers(target_role)
+        if group < 1 or len(target_workers) % group:
+            raise WorkerCreationError(
+                f"role {role!r}: {len(target_workers)} {target_role} worker(s) do not split "
+                f"into groups of {group}"
+            )
         module = command or RPC_SERVER_MODULE
         python = self._fork_interpreter(target)
         forked: list[WorkerHandle] = []
         try:
             values = self.worker_secrets(role)
-            for index, tw in enumerate(target_workers):
+            for index in range(len(target_workers) // group):
+                members = target_workers[index * group : (index + 1) * group]
+                tw = members[0]
                 parent = self._client_of(tw.id)
                 port = run_sync(parent.alloc_ports(1))[0]
                 raw_cmd = [python, "-m", module, "--host", tw.ip, "--port", str(port)]
@@ -428,6 +454,9 @@ class RPCWorkerScheduler(Scheduler):
                 # from its parent's environment
                 secrets_file = str(self._write_secrets(f"{role}.{index}", values))
                 env = {SECRETS_FILE_ENV: secrets_file}
+                devices = self._group_devices(members) if group > 1 else ""
+                if devices:
+                    env["CUDA_VISIBLE_DEVICES"] = devices
                 info = run_sync(parent.fork(role, index, raw_cmd, env=env))
                 h = WorkerHandle(
                     f"{role}/{index}", role, index, pid=int(info["pid"]), parent_id=tw.id
@@ -442,6 +471,16 @@ class RPCWorkerScheduler(Scheduler):
         r = WorkerRole(role, "forked", [h.id for h in forked], target.spec, target_role, workers)
         self._register_role(r, forked)
         return [h.id for h in forked]
+
+    def _group_devices(self, members: list[Worker]) -> str:
+        """The GPUs every worker of ``members`` sees, in order ("" on CPU)."""
+        seen: list[str] = []
+        for member in members:
+            info = run_sync(self._client_of(member.id).health())
+            for device in str(info.get("visible_devices") or "").split(","):
+                if device and device not in seen:
+                    seen.append(device)
+        return ",".join(seen)
 
     def _wait_forked(self, h: WorkerHandle) -> None:
         deadline = time.monotonic() + FORK_HEALTH_TIMEOUT

@@ -60,17 +60,37 @@ def test_the_base_config_is_accepted():
     assert refuse_unsupported(build()) is None
 
 
+COLOCATED = {
+    "rollout.scheduling_strategy": {"type": "colocation", "target": "actor", "fork": True},
+}
+
+
 # --- 1. awex ---
 
 
-def test_awex_weight_updates_are_refused():
+def test_awex_between_processes_that_are_not_colocated_is_refused():
     only(
         {"actor.weight_update_mode": "awex"},
         "actor.weight_update_mode",
-        "awex is not implemented in this port",
-        "set actor.weight_update_mode: xccl",
-        "or disk",
+        "never leave the host",
+        "set rollout.scheduling_strategy: {type: colocation, target: actor, fork: true}",
+        "or actor.weight_update_mode: xccl",
     )
+
+
+@pytest.mark.parametrize("backend", ["sglang:d2t1p1", "hf:d1p1t2", "sglang:d1t2p1"])
+def test_awex_with_the_rollout_colocated_on_the_actor_is_accepted(backend):
+    changes = {"actor.weight_update_mode": "awex", "rollout.backend": backend}
+    assert refused({**changes, **COLOCATED}) == []
+
+
+def test_awex_refuses_lora_and_a_megatron_actor_without_ddp():
+    awex = {**COLOCATED, "actor.weight_update_mode": "awex"}
+    problems = dict(refused({**awex, "actor.backend": "megatron:d2p1t1",
+                             "actor.megatron.wrap_with_ddp": False}))  # fmt: skip
+    assert "set actor.megatron.wrap_with_ddp: true" in problems["actor.megatron.wrap_with_ddp"]
+    lora = refused({**awex, "actor.use_lora": True})
+    assert any("awex sends full weights" in m for f, m in lora if f == "actor.weight_update_mode")
 
 
 @pytest.mark.parametrize("mode", ["disk", "xccl"])
@@ -124,13 +144,8 @@ def test_fsdp_pipeline_parallelism_is_already_refused_by_the_allocation_parser()
 
 # --- 4. colocation ---
 
-COLOCATED = {
-    "rollout.scheduling_strategy": {"type": "colocation", "target": "actor", "fork": True},
-}
-
-
-@pytest.mark.parametrize("backend", ["sglang:d2t1p1", "hf:d2"])
-def test_the_forked_one_server_per_actor_worker_colocation_is_accepted(backend):
+@pytest.mark.parametrize("backend", ["sglang:d2t1p1", "hf:d2", "sglang:d1t2p1", "hf:d1p1t2"])
+def test_n_servers_of_tp_t_on_n_t_actor_workers_are_accepted(backend):
     assert refused({**COLOCATED, "rollout.backend": backend}) == []
 
 
@@ -141,7 +156,7 @@ def test_colocation_without_fork_is_refused():
         "colocation without fork",
         "set rollout.scheduling_strategy.fork: true or rollout.scheduling_strategy.type: "
         "separation",
-        "the one colocation this port runs is type: colocation, target: actor, fork: true",
+        "colocation runs as type: colocation, target: actor, fork: true",
     )
 
 
@@ -160,21 +175,25 @@ def test_colocation_without_a_target_is_already_refused_at_load():
 
 
 @pytest.mark.parametrize(
-    ("backend", "wrong"),
+    ("backend", "wrong", "fix"),
     [
-        ("sglang:d1t1p1", "has 1 server(s) for 2 actor worker(s);"),
-        ("sglang:d2t2p1", "has servers of t2 p1 (several GPUs each);"),
-        ("sglang:d2t1p2", "has servers of t1 p2 (several GPUs each);"),
-        ("sglang:d4t2p1", "has 4 server(s) for 2 actor worker(s) and servers of t2 p1"),
+        ("sglang:d1t1p1", "has 1 server(s) of TP 1 on 1 device(s) for 2 actor worker(s);",
+         "sglang:d2p1t1"),
+        ("sglang:d2t1p2", "has servers of p2 (pipeline stages are not colocated);",
+         "sglang:d2p1t1"),
+        ("sglang:d2t2p1", "has 2 server(s) of TP 2 on 4 device(s) for 2 actor worker(s);",
+         "sglang:d1p1t2"),
+        ("sglang:d1t3p1", "has 1 server(s) of TP 3 on 3 device(s) for 2 actor worker(s);",
+         "sglang:d2p1t1"),
     ],
-)
-def test_colocation_of_another_server_shape_is_refused(backend, wrong):
+)  # fmt: skip
+def test_colocation_of_another_server_shape_is_refused(backend, wrong, fix):
     only(
         {**COLOCATED, "rollout.backend": backend},
         "rollout.backend",
         f"colocated rollout {backend!r} {wrong}",
-        "set rollout.backend: 'sglang:d2t1p1' or rollout.scheduling_strategy.type: separation",
-        "one t1 p1 server per actor worker",
+        f"set rollout.backend: '{fix}' or rollout.scheduling_strategy.type: separation",
+        "N servers of TP t (p1) on the N*t actor workers",
     )
 
 
@@ -324,14 +343,14 @@ def test_the_hybrid_form_counts_the_attention_data_parallel_size():
 
 
 def test_refuse_lists_every_problem_one_line_each():
-    cfg = build({"actor.weight_update_mode": "awex", "actor.use_lora": True})
+    cfg = build({"actor.weight_update_mode": "awex", "sglang.enable_ep_moe": True})
     with pytest.raises(ConfigError) as raised:
         refuse_unsupported(cfg)
     header, *lines = str(raised.value).splitlines()
     assert header == "this port's trainer cannot run this config (2 problem(s)):"
     assert [line.split(":")[0].strip() for line in lines] == [
         "actor.weight_update_mode",
-        "actor.use_lora",
+        "sglang.enable_ep_moe",
     ]
     assert lines == [f"  {e}" for e in unsupported(cfg)]
     assert all(";" in line for line in lines)  # <field>: <why>; <fix>
@@ -363,18 +382,13 @@ def test_the_toy_profile_is_supported(profile_env):
     assert unsupported(cfg) == []
 
 
-def test_flash_v3_is_refused_for_awex_and_its_colocation(profile_env):
+def test_the_full_flash_v3_profile_passes_every_config_check(profile_env):
+    """awex with 16 TP-4 servers colocated on the 64 ranks of
+    megatron:(attn:d2p2t2c8|ffn:d4p2e8): nothing left to refuse."""
     cfg, _ = load_expr_config(["--config", str(SWE_DIR / "arena_flash_v3.yaml")], SWEPPOConfig)
-    assert [str(e) for e in unsupported(cfg)] == [
-        "actor.weight_update_mode: awex is not implemented in this port; set "
-        "actor.weight_update_mode: xccl (NCCL broadcast to the servers) or disk (save, then "
-        "the servers reload)",
-        "rollout.backend: colocated rollout 'sglang:d16t4p1' has 16 server(s) for 64 actor "
-        "worker(s) and servers of t4 p1 (several GPUs each); set rollout.backend: "
-        "'sglang:d64t1p1' or rollout.scheduling_strategy.type: separation (the one "
-        "colocation this port runs is type: colocation, target: actor, fork: true and one t1 "
-        "p1 server per actor worker)",
-    ]
+    assert cfg.actor.weight_update_mode == "awex"
+    assert cfg.rollout.backend == "sglang:d16t4p1"
+    assert unsupported(cfg) == []
 
 
 def test_xccl_with_colocation_on_gpus_is_refused_but_not_on_cpu():

@@ -29,7 +29,7 @@ CASES = {
     "awex": (
         "actor:\n  weight_update_mode: awex\n",
         "actor.weight_update_mode",
-        "set actor.weight_update_mode: xccl",
+        "set rollout.scheduling_strategy: {type: colocation, target: actor, fork: true}",
     ),
     "context-parallel-budget": (
         "actor:\n  backend: megatron:(attn:d1p1t2c4|ffn:d1e8)\n  mb_spec:\n"
@@ -43,9 +43,10 @@ CASES = {
         "use 'fsdp:d8' (d and c only) or a megatron backend",
     ),
     "colocation-shape": (
-        "rollout:\n  scheduling_strategy:\n    type: colocation\n    target: actor\n",
+        "rollout:\n  backend: sglang:d8p1t2\n  scheduling_strategy:\n    type: colocation\n"
+        "    target: actor\n",
         "rollout.backend",
-        "set rollout.backend: 'sglang:d8t1p1' or rollout.scheduling_strategy.type: separation",
+        "set rollout.backend: 'sglang:d4p1t2' or rollout.scheduling_strategy.type: separation",
     ),
     "lora": ("actor:\n  use_lora: true\n", "actor.use_lora", "set actor.use_lora: false"),
     "sglang-flag": (
@@ -138,10 +139,16 @@ def test_full_submission_never_starts_the_trainer(site, silent_arena):
     done = site.run(CONFIG_PATH=config)  # no --check-arena: training would follow
     assert done.returncode == 0, done.stderr
     log = assert_refused_before_arena(site, silent_arena, config)
-    assert "  actor.weight_update_mode: awex is not implemented in this port" in log
+    assert "  actor.weight_update_mode: awex hands tensors to the servers by handle" in log
 
 
-def test_flash_v3_check_arena_is_refused_with_its_two_problems(site, silent_arena):
+def test_flash_v3_check_arena_passes_the_config_checks(site):
+    """Nothing of the full profile is refused any more: the controller job goes on to the
+    Arena preflight (here an address where nobody listens, so that step fails fast)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    site.write_credentials(ARENA_OPENAPI_BASE=f"http://127.0.0.1:{port}")
     awex, fla = site.root / "src" / "awex", site.root / "src" / "fla"
     awex.mkdir(parents=True)
     fla.mkdir()
@@ -154,13 +161,10 @@ def test_flash_v3_check_arena_is_refused_with_its_two_problems(site, silent_aren
         FLASH_LINEAR_ATTENTION_ROOT=str(fla),
     )
     assert done.returncode == 0, done.stderr
-    config = str(SWE_DIR / "arena_flash_v3.yaml")
-    log = assert_refused_before_arena(site, silent_arena, config)
-    problems = [line.split(":")[0].strip() for line in log.splitlines() if line.startswith("  ")]
-    assert problems == ["actor.weight_update_mode", "rollout.backend"]
-    assert "(2 problem(s))" in log
-    assert "awex is not implemented in this port" in log
-    assert "colocated rollout 'sglang:d16t4p1' has 16 server(s) for 64 actor worker(s)" in log
+    log = (site.submission_dir / f"controller-{JOB_ID}.log").read_text()
+    assert "this port's trainer cannot run this config" not in log, log[-3000:]
+    assert "Arena preflight GET /streams/" in log, log[-3000:]  # it went on to ask Arena
+    assert "(ConnectError)" in log
 
 
 # --- the training entry points refuse before anything starts ---

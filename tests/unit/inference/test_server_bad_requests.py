@@ -57,6 +57,11 @@ ROUTES: dict[str, tuple[dict[str, Any], list[str], dict[str, tuple[Any, int]]]] 
         ["group_name"],
         {"names": ("a", 70_000), "dtypes": ("float32", 70_000), "shapes": ([1], 70_000)},
     ),
+    "/update_weights_from_tensor": (
+        {"serialized_named_tensors": ["AAAA"], "load_format": "direct", "weight_version": "1"},
+        ["load_format", "weight_version"],
+        {},
+    ),
     "/update_weight_version": (
         {"new_version": "7", "abort_all_requests": False},
         ["new_version"],

@@ -63,6 +63,9 @@ class _TrivialInference(InferenceEngine):
     def update_weights_from_disk(self, meta):
         raise NotImplementedError
 
+    def update_weights_from_tensor(self, meta, payloads):
+        raise NotImplementedError
+
     def set_version(self, version: int) -> None:
         self._version = version
 

@@ -12,6 +12,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 from areal.api.cli_args import (
@@ -22,6 +23,7 @@ from areal.api.cli_args import (
     SchedulingStrategy,
 )
 from areal.api.scheduler_api import RPC_TOKEN_ENV, Job
+from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.processes import descendant_pids
 from areal.infra.scheduler.exceptions import (
     GPUAllocationError,
@@ -266,3 +268,94 @@ def test_controller_exit_kills_its_workers(tmp_path, mode, sig):
     finally:
         controller.kill()
         controller.wait()
+
+
+def signed_health(sched: LocalScheduler, worker) -> dict:
+    """``worker``'s own signed ``/health`` answer (asked directly, not through the scheduler)."""
+
+    async def ask() -> dict:
+        client = RPCClient(
+            f"{worker.ip}:{worker.worker_ports[0]}", token=sched.rpc_token, worker_id=worker.id
+        )
+        try:
+            return await client.health()
+        finally:
+            await client.close()
+
+    return asyncio.run(ask())
+
+
+@pytest.mark.parametrize(
+    ("replicas", "expected"),
+    [
+        # one TP server over both actors: beside actor/0, seeing both GPUs
+        (1, {"rollout/0": ("actor/0", "0,1")}),
+        # one per actor worker (the old fork), each seeing its parent's GPU only
+        (2, {"rollout/0": ("actor/0", "0"), "rollout/1": ("actor/1", "1")}),
+    ],
+)
+def test_forked_server_spans_a_group_of_target_workers(scheduler, replicas, expected):
+    actor_spec = SchedulingSpec(cpu=1, gpu=1, mem=1, port_count=2)
+    scheduler.create_workers(Job("actor", 2, [actor_spec]))
+    actors = {w.id: w for w in scheduler.get_workers("actor", timeout=STARTUP)}
+    assert {w: signed_health(scheduler, a)["visible_devices"] for w, a in actors.items()} == {
+        "actor/0": "0",
+        "actor/1": "1",
+    }
+
+    fork = SchedulingStrategy(type="colocation", target="actor", fork=True)
+    job = Job("rollout", replicas, [SchedulingSpec(gpu=1, port_count=1)], fork)
+    assert scheduler.create_workers(job) == sorted(expected)
+    rollouts = {w.id: w for w in scheduler.get_workers("rollout")}
+    assert sorted(rollouts) == sorted(expected)
+    assert all(len(w.engine_ports) == 1 for w in rollouts.values())  # as many as the target
+
+    pids = scheduler.worker_pids()
+    assert set(pids) == {"actor/0", "actor/1", *expected}  # forked: no new started process
+    for wid, (parent, devices) in expected.items():
+        assert pids[wid] in descendant_pids(pids[parent]), f"{wid} not forked by {parent}"
+        assert rollouts[wid].ip == actors[parent].ip
+        assert signed_health(scheduler, rollouts[wid])["visible_devices"] == devices
+    children = {w: signed_health(scheduler, a)["forked_children"] for w, a in actors.items()}
+    parents = [parent for parent, _ in expected.values()]
+    assert children == {w: parents.count(w) for w in actors}
+
+    # the engine in the forked worker sees the same devices; the parents are unchanged
+    create_engines(scheduler, [*actors, *rollouts])
+    for wid, (_, devices) in expected.items():
+        assert scheduler.call_engine(wid, "get_env", "CUDA_VISIBLE_DEVICES") == devices
+    assert scheduler.call_engine("actor/1", "get_env", "CUDA_VISIBLE_DEVICES") == "1"
+
+    # an unsigned liveness probe learns nothing about the devices
+    first = rollouts["rollout/0"]
+    unsigned = httpx.get(f"http://{first.ip}:{first.worker_ports[0]}/health", timeout=5)
+    assert unsigned.status_code == 200 and unsigned.json() == {"status": "healthy"}
+
+    # deleting the target takes its forked dependents along
+    forked_pids = [pids[w] for w in expected]
+    scheduler.delete_workers("actor")
+    assert not [p for p in forked_pids if alive(p)]
+    assert scheduler.worker_pids() == {}
+
+
+def test_fork_with_a_replica_count_that_does_not_divide_starts_new_processes(scheduler):
+    # 3 actor workers on GPUs 0,1 round robin: 0, 1, 0
+    scheduler.create_workers(Job("actor", 3, [SchedulingSpec(gpu=1, port_count=1)]))
+    scheduler.get_workers("actor", timeout=STARTUP)
+    fork = SchedulingStrategy(type="colocation", target="actor", fork=True)
+    job = Job("rollout", 2, [SchedulingSpec(gpu=1, port_count=1)], fork)
+    assert scheduler.create_workers(job) == ["rollout/0", "rollout/1"]
+    rollouts = scheduler.get_workers("rollout", timeout=STARTUP)
+
+    # not forked: two processes of their own (children of this controller, of no actor),
+    # each on every device of the target and on no new one
+    pids = scheduler.worker_pids()
+    actor_trees = {p for w in ("actor/0", "actor/1", "actor/2") for p in descendant_pids(pids[w])}
+    for wid in ("rollout/0", "rollout/1"):
+        assert pids[wid] not in actor_trees
+        assert pids[wid] in descendant_pids(os.getpid())
+    for w in rollouts:
+        health = signed_health(scheduler, w)
+        assert health["visible_devices"] == "0,1" and health["forked_children"] == 0
+    actors = scheduler.get_workers("actor")
+    assert [signed_health(scheduler, a)["forked_children"] for a in actors] == [0, 0, 0]
