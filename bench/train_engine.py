@@ -61,6 +61,18 @@ the [d, d] state read, correction and update, and the 64-token intra-chunk produ
     python3 bench/train_engine.py --shape ling3-1b --engines fsdp,megatron --steps 2 \
         --sequences 8 --max-len 4096
     python3 bench/train_engine.py --shape ling3-1b --count-params   # CPU: build no weights
+
+``--warmup N`` sets the untimed steps before the --steps timed ones (default 1, 2 with
+``use_kernels``; the first step of the Ling 3 shape compiles and autotunes fla's Triton
+kernels); every step's wall time is printed as it ends and kept in the results
+(``warmup_step_s``, ``step_times_s``). ``--model-dir DIR`` builds the random checkpoint in
+DIR once and reuses it in later runs (the ~1.2B Ling 3 checkpoint takes a while to write;
+``--build-only`` just builds it, on CPU).
+The longest sequence one GPU trains, one sequence a step, with the memory savers
+(log-probs in chunks, activation checkpointing)::
+
+    python3 bench/train_engine.py --only engine --gradient-checkpointing --sequences 1 \
+        --min-len 65536 --max-len 65536 --engine-mb-tokens 65536 --steps 1
 """
 
 from __future__ import annotations
@@ -71,6 +83,7 @@ import gc
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -329,6 +342,7 @@ def run_engine(
     chunk_size: int = 8192,
     trace_to: str | None = None,
     gradient_checkpointing: bool = False,
+    warmup: int | None = None,
 ) -> dict:
     from areal.api.cli_args import MicroBatchSpec, OptimizerConfig, TrainEngineConfig
 
@@ -362,19 +376,28 @@ def run_engine(
     def weight_fn(mb):
         return mb["loss_mask"].count_nonzero()
 
-    times, stats, losses = [], {}, []
-    warmup = 2 if use_kernels else 1  # compiled kernels: the first steps compile
+    times, warm, stats, losses = [], [], {}, []
+    if warmup is None:
+        warmup = 2 if use_kernels else 1  # compiled kernels: the first steps compile
     for step in range(steps + warmup):
         torch.cuda.synchronize()
         begin = time.perf_counter()
         stats = engine.train_batch(batch, loss_fn, weight_fn)
         torch.cuda.synchronize()
+        elapsed = time.perf_counter() - begin
         losses.append(stats.get("loss"))
-        if step >= warmup:  # warm-up steps build kernels and fill allocators
-            times.append(time.perf_counter() - begin)
+        # warm-up steps build (and autotune) kernels and fill allocators
+        (times if step >= warmup else warm).append(elapsed)
+        kind = "timed" if step >= warmup else "warm-up"
+        print(f"[{backend}] {kind} step {step + 1}/{steps + warmup}: {elapsed:.2f} s, "
+              f"peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB", flush=True)  # fmt: skip
     result = {
         "step_s": sum(times) / len(times),
+        "step_times_s": times,
+        "warmup_steps": warmup,
+        "warmup_step_s": warm,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+        "peak_reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
         "micro_batches": stats.get("num_micro_batches"),
         "last_loss": stats.get("loss"),
         "losses": losses,  # every step's, warm-up included (same batch, same start)
@@ -441,6 +464,40 @@ def run_plain(model_dir: Path, seqs, mb_tokens: int, steps: int, lr: float) -> d
 
 
 SHAPES = {"qwen2-0.5b": "Qwen2-0.5B-shaped", "ling3-1b": "Ling-3-shaped ~1.2B MoE"}
+BUILT_MARK = ".bench_built.json"  # written last: a directory without it is rebuilt
+
+
+def prepare_model(args, scratch: Path) -> Path:
+    """The random checkpoint of ``args.shape``: built in ``scratch``, or in ``--model-dir``
+    and reused there by later runs of the same shape, seed and position limit."""
+    positions = None
+    if args.shape == "qwen2-0.5b":
+        positions = max(
+            QWEN2_05B_SHAPE["max_position_embeddings"],
+            args.max_len,
+            args.max_position_embeddings or 0,
+        )
+    want = {"shape": args.shape, "seed": args.seed, "max_position_embeddings": positions}
+    model_dir = args.model_dir or scratch / "model"
+    mark = model_dir / BUILT_MARK
+    if args.model_dir is not None and mark.exists():
+        try:
+            if json.loads(mark.read_text()) == want:
+                print(f"reusing the checkpoint in {model_dir}", flush=True)
+                return model_dir
+        except (OSError, ValueError):
+            pass
+        shutil.rmtree(model_dir)  # this bench's checkpoint of another shape or seed
+    began = time.perf_counter()
+    if args.shape == "ling3-1b":
+        build_bailing_model(model_dir, LING3_1B_SHAPE, seed=args.seed)
+    else:
+        shape = {**QWEN2_05B_SHAPE, "max_position_embeddings": positions}
+        build_tiny_model(model_dir, dtype="float32", seed=args.seed, **shape)
+    mark.write_text(json.dumps(want) + "\n")
+    print(f"built the {args.shape} checkpoint in {model_dir} "
+          f"({time.perf_counter() - began:.1f} s)", flush=True)  # fmt: skip
+    return model_dir
 
 
 def print_param_counts(shape: str) -> None:
@@ -505,7 +562,33 @@ def main() -> None:
         action="store_true",
         help="engines: recompute each decoder layer in backward (activation checkpointing)",
     )
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=3, help="timed steps (at least 1)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="engines: untimed warm-up steps before the timed ones (default 1, 2 with "
+        "use_kernels); the plain loop always takes 1",
+    )
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=None,
+        help="build the random checkpoint here and reuse it in later runs of the same "
+        "--shape, --seed and position limit (default: a temporary directory per run)",
+    )
+    parser.add_argument(
+        "--build-only",
+        action="store_true",
+        help="with --model-dir: build (or keep) the checkpoint there and exit; CPU only",
+    )
+    parser.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        default=None,
+        help="qwen2-0.5b: the checkpoint's position limit (default: 32768, or --max-len "
+        "when longer); ling3-1b keeps its own",
+    )
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument(
@@ -525,17 +608,25 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--output",
+        "--out",
         type=Path,
         default=None,
         help=f"results JSON (default: {RESULTS.relative_to(ROOT)}, or "
         "train_engine_<shape>.json beside it for another shape)",
     )
     args = parser.parse_args()
+    if args.steps < 1 or (args.warmup is not None and args.warmup < 0):
+        raise SystemExit("--steps must be at least 1 and --warmup at least 0")
     if args.output is None:
         name = RESULTS.name if args.shape == "qwen2-0.5b" else f"train_engine_{args.shape}.json"
         args.output = RESULTS.with_name(name)
     if args.count_params:
         print_param_counts(args.shape)
+        return
+    if args.build_only:
+        if args.model_dir is None:
+            raise SystemExit("--build-only needs --model-dir")
+        prepare_model(args, args.model_dir.parent)
         return
     if not torch.cuda.is_available():
         raise SystemExit("bench/train_engine.py needs a CUDA GPU")
@@ -544,15 +635,11 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         shape_info: dict = {}
+        model_dir = prepare_model(args, Path(tmp))
         if args.shape == "ling3-1b":
-            model_dir = build_bailing_model(Path(tmp) / "model", LING3_1B_SHAPE, seed=args.seed)
             meta = ling3_meta_model(model_dir)
             shape_info = ling3_param_counts(meta)
             print(f"{args.shape}: {shape_info}")
-        else:
-            model_dir = build_tiny_model(
-                Path(tmp) / "model", dtype="float32", seed=args.seed, **QWEN2_05B_SHAPE
-            )
         cfg = AutoConfig.from_pretrained(model_dir)
         seqs = make_batch(args.sequences, args.min_len, args.max_len, cfg.vocab_size, args.seed)
         tokens = sum(len(s) for s in seqs)
@@ -567,6 +654,7 @@ def main() -> None:
             profile=args.profile,
             chunk_size=args.logprobs_chunk_size,
             gradient_checkpointing=args.gradient_checkpointing,
+            warmup=args.warmup,
         )
         columns = [
             ("engine", "fsdp", functools.partial(engine, backend="fsdp"), args.engine_mb_tokens),
@@ -594,7 +682,11 @@ def main() -> None:
             try:
                 results[name] = run(model_dir, seqs, budget, args.steps, args.lr, **extra)
             except torch.OutOfMemoryError as e:
-                results[name] = {"error": f"out of memory: {str(e)[:200]}"}
+                results[name] = {
+                    "error": f"out of memory: {str(e)[:200]}",
+                    "oom": True,
+                    "peak_mem_gb": torch.cuda.max_memory_allocated() / 2**30,
+                }
                 torch.cuda.empty_cache()
             r = results[name]
             if "step_s" in r:
@@ -654,6 +746,8 @@ def main() -> None:
             {
                 "args": {k: str(v) for k, v in vars(args).items()},
                 "device": device,
+                "device_memory_gb": torch.cuda.get_device_properties(0).total_memory / 2**30,
+                "torch": torch.__version__,
                 "shape": args.shape,
                 **shape_info,
                 "varlen_grouped_kv": grouped_kv,

@@ -190,6 +190,16 @@ def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+def _fla_compute_dtype(tensors: tuple[torch.Tensor, ...]) -> torch.dtype:
+    """The one dtype fla's kernels get for ``q``, ``k``, ``v`` and ``beta``: bfloat16 when
+    any of them is bfloat16, else float16 when any is float16, else float32."""
+    dtypes = {t.dtype for t in tensors}
+    for half in (torch.bfloat16, torch.float16):
+        if half in dtypes:
+            return half
+    return torch.float32
+
+
 def kda_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -197,22 +207,35 @@ def kda_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     cu_seqlens: torch.Tensor,
+    *,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """The KDA recurrence of every packed segment from a zero state (inputs as
     :func:`chunked_kda`'s). On CUDA with flash-linear-attention installed: its varlen
     ``chunk_kda`` kernel, output in ``q``'s dtype; otherwise :func:`chunked_kda`, float32.
+
+    The fla kernels get contiguous inputs of one dtype: ``q``, ``k``, ``v`` and ``beta`` in
+    ``compute_dtype`` (the caller's activation dtype, when it passes one), else bfloat16
+    when any of them is bfloat16 (float16 likewise), else float32; the log decay ``g``
+    always float32 and ``cu_seqlens`` int64 on ``q``'s device. (Callers hand over views of
+    a split convolution output, float32 ``g`` beside bfloat16 ``q``/``k``/``v``, and
+    bfloat16 or float32 ``beta``.) ``compute_dtype`` does not affect the torch path.
     """
     if q.is_cuda and fla_available():
         from fla.ops.kda import chunk_kda
 
+        out_dtype = q.dtype
+        dtype = compute_dtype or _fla_compute_dtype((q, k, v, beta))
+        q, k, v, beta = (t.to(dtype).contiguous() for t in (q, k, v, beta))
+        g = g.to(torch.float32).contiguous()
         out, _ = chunk_kda(
             q.unsqueeze(0),
             k.unsqueeze(0),
             v.unsqueeze(0),
             g=g.unsqueeze(0),
             beta=beta.unsqueeze(0),
-            cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long),
+            cu_seqlens=cu_seqlens.to(device=q.device, dtype=torch.long).contiguous(),
             use_qk_l2norm_in_kernel=True,
         )
-        return out[0]
+        return out[0].to(out_dtype)
     return chunked_kda(q, k, v, g, beta, cu_seqlens)

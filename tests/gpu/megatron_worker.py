@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 
@@ -44,6 +45,13 @@ def main() -> None:
         help="KDA layers take the torch recurrence even where flash-linear-attention is installed",
     )
     args = parser.parse_args()
+    began = time.perf_counter()
+
+    def phase(what: str) -> None:  # progress with times, so a cut or stuck run shows where
+        print(f"[megatron_worker {args.backend}{' kda-torch' if args.kda_torch else ''}] "
+              f"{time.perf_counter() - began:7.1f} s: {what}", flush=True)  # fmt: skip
+
+    phase(f"torch {torch.__version__}, cuda {torch.cuda.is_available()}, model {args.model}")
     if os.environ.get("WORKER_TRACEBACK_AFTER"):  # a stuck run shows where it waits
         import faulthandler
 
@@ -76,6 +84,7 @@ def main() -> None:
         engine = FSDPEngine(config)
     engine.create_process_group()
     engine.initialize()
+    phase("engine initialized")
     lengths = [int(n) for n in args.lengths.split(",") if n]
     batch = random_batch(lengths) if lengths else fixed_batch()
 
@@ -83,13 +92,17 @@ def main() -> None:
         return mb["loss_mask"].count_nonzero()
 
     before = engine.forward_batch(batch).cpu()
+    phase("log-probs before the step")
     stats = engine.train_batch(batch, token_mean_nll, count)
+    phase(f"trained one step: {stats}")
     after = engine.forward_batch(batch).cpu()
+    phase("log-probs after the step")
     if args.export:
         engine.save(SaveLoadMeta(path=args.export, weight_format="hf", with_optim=False))
     if int(os.environ.get("RANK", 0)) == 0:
         torch.save({"before": before, "after": after, "stats": stats, "batch": batch}, args.out)
     engine.destroy()
+    phase("done")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,17 @@ bf16 comparisons measure a noise floor first: the bf16 torch path against an fp3
 reference. A fast path may sit somewhat further from that reference than the floor (bf16
 keeps 8 mantissa bits; kernels round at other places), not an order of magnitude further.
 Without ``fla`` the tests skip; without CUDA the suite's GPU skip fires first.
+
+The tiny model here is the CPU tests' fixture with the KDA heads of the ~1B bench shape (16
+heads of dimension 64; fla is mostly run at head dimensions 64 and 128). With the CPU
+fixture's 4 heads of 16 the FSDP engine's varlen fla call failed on an H100 (Triton's
+``PassManager::run failed`` while autotuning) and the Megatron bridge run exited 1, its
+traceback lost; transformers' non-varlen call at that size passed. The kernels these tests
+compile and autotune are now also those ``bench/train_engine.py --shape ling3-1b`` needs
+(Triton caches them on disk).
+
+With ``BAILING_GPU_RESULTS`` set each test appends its figures to that file (one JSON object
+a line); ``BAILING_GPU_LOG_DIR`` keeps the Megatron workers' whole logs.
 """
 
 from __future__ import annotations
@@ -21,6 +32,8 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import itertools
+import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,7 +44,7 @@ from areal.engine import kda
 from areal.engine.kda import chunked_kda, kda_forget_gate
 from areal.engine.logprobs import logprobs_from_logits
 from areal.models import bailing_packed
-from areal.utils.tiny_bailing import build_tiny_bailing_model
+from areal.utils.tiny_bailing import TINY_BAILING_SHAPE, build_bailing_model
 
 pytestmark = pytest.mark.gpu
 
@@ -41,7 +54,22 @@ needs_fla = pytest.mark.skipif(
 
 # Three packed sequences, none a multiple of the 64-token chunk, the longest 19 chunks.
 LENGTHS = [100, 517, 1200]
-HEADS, HEAD_DIM = 4, 64
+HEADS, HEAD_DIM = 16, 64
+# the tiny model with the KDA heads above (MLA heads follow num_attention_heads too)
+GPU_BAILING_SHAPE = {
+    **TINY_BAILING_SHAPE,
+    "num_attention_heads": HEADS,
+    "num_key_value_heads": HEADS,
+    "head_dim": HEAD_DIM,
+}
+
+
+def _record(test: str, **figures) -> None:
+    """Append ``figures`` of ``test`` to ``$BAILING_GPU_RESULTS`` (JSON lines), if set."""
+    path = os.environ.get("BAILING_GPU_RESULTS")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": test, **figures}, default=str) + "\n")
 
 
 def _cu_seqlens(lengths: list[int]) -> torch.Tensor:
@@ -55,7 +83,7 @@ def _rel_max(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 @pytest.fixture(scope="module")
 def bailing_dir(tmp_path_factory) -> Path:
-    return build_tiny_bailing_model(tmp_path_factory.mktemp("tiny-bailing"))
+    return build_bailing_model(tmp_path_factory.mktemp("tiny-bailing"), GPU_BAILING_SHAPE)
 
 
 # --- the KDA recurrence alone ---
@@ -76,16 +104,10 @@ def _kda_inputs(dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 
 
 def _fla_kda(q, k, v, decay, beta, cu_seqlens) -> torch.Tensor:
-    from fla.ops.kda import chunk_kda
-
-    out, _ = chunk_kda(
-        *(t.unsqueeze(0) for t in (q, k, v)),
-        g=decay.unsqueeze(0),
-        beta=beta.unsqueeze(0),
-        use_qk_l2norm_in_kernel=True,
-        cu_seqlens=cu_seqlens,
-    )
-    return out[0]
+    """fla's varlen ``chunk_kda`` as both engines call it: :func:`kda.kda_delta_rule` on CUDA
+    (contiguous ``q``, ``k``, ``v``, ``beta`` of one dtype, float32 ``g``)."""
+    assert q.is_cuda and kda.fla_available()
+    return kda.kda_delta_rule(q, k, v, decay, beta, cu_seqlens)
 
 
 @needs_fla
@@ -102,6 +124,7 @@ def test_chunked_kda_matches_fla_chunk_kda(dtype, bound):
         f"\nchunked_kda vs fla chunk_kda, {dtype}, lengths {LENGTHS}: max |diff| {diff:.3e} "
         f"(relative to max |out| {rel:.3e}); ours vs fp32 inputs {_rel_max(ours, reference):.3e}"
     )
+    _record(f"chunked_kda_vs_fla[{dtype}]", max_abs_diff=diff, relative=rel, bound=bound)
     assert torch.isfinite(fla).all()
     assert rel < bound
     # each sequence starts from a zero state: its first tokens agree as closely as any
@@ -139,6 +162,13 @@ def test_packed_kda_forward_fla_matches_torch_path(bailing_dir, dtype, bound, mo
         f"\npacked_kda_forward fla vs torch path, {dtype}: max |diff| "
         f"{(fla.float() - torch_path.float()).abs().max().item():.3e}; relative to fp32 "
         f"reference: fla {rel:.3e}, torch {floor:.3e}"
+    )
+    _record(
+        f"packed_kda_forward[{dtype}]",
+        fla_vs_torch=(fla.float() - torch_path.float()).abs().max().item(),
+        fla_rel=rel,
+        torch_rel=floor,
+        bound=max(bound, 3 * floor),
     )
     assert fla.shape == x.shape and torch.isfinite(fla).all()
     assert rel < max(bound, 3 * floor)
@@ -219,6 +249,14 @@ def test_hf_model_logprobs_with_fla_match_torch_fallback(bailing_dir, monkeypatc
         f"{scale:.2f}): fla vs torch fallback max |diff| {diff:.3e}; vs fp32 torch: "
         f"fla {err:.3e}, torch bf16 {floor:.3e}"
     )
+    _record(
+        "hf_logprobs_fla_vs_torch",
+        fla_vs_torch=diff,
+        fla_vs_fp32=err,
+        bf16_floor=floor,
+        max_abs_logprob=scale,
+        bound=max(2e-2 * scale, 3 * floor),
+    )
     assert diff < max(2e-2 * scale, 3 * floor)
 
 
@@ -276,6 +314,13 @@ def test_fsdp_engine_packed_logprobs_match_one_sequence_at_a_time(bailing_dir):
         f"\nFSDP engine bf16 packed log-probs vs fp32 one at a time, lengths {LENGTHS}: "
         f"max |diff| {results} (bf16 one-at-a-time floor {floor:.3e})"
     )
+    _record(
+        "fsdp_packed_logprobs",
+        max_abs_diff_by_mb_tokens=results,
+        bf16_floor=floor,
+        bound=max(5e-2, 3 * floor),
+        fla_path=kda.fla_available(),
+    )
     for err in results.values():
         assert err < max(5e-2, 3 * floor)
 
@@ -285,18 +330,51 @@ def test_fsdp_engine_packed_logprobs_match_one_sequence_at_a_time(bailing_dir):
 
 def _megatron_worker(model: Path, out: Path, *extra: str) -> dict:
     """One single-GPU ``megatron:d1`` run of :mod:`tests.gpu.megatron_worker` on ``LENGTHS``:
-    log-probs, one Adam step, log-probs again."""
-    import os
+    log-probs, one Adam step, log-probs again.
+
+    The worker's whole output goes to a log file (``$BAILING_GPU_LOG_DIR`` or beside
+    ``out``), its last lines are echoed here; a failure raises with them, so the
+    traceback is in the test report however the run's output is cut. The worker dumps its
+    stacks and exits if it runs past ``$BAILING_GPU_WORKER_TIMEOUT`` (default 400 s).
+    """
     import subprocess
     import sys
 
     repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}"}
+    limit = float(os.environ.get("BAILING_GPU_WORKER_TIMEOUT", "400"))
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{repo}:{os.environ.get('PYTHONPATH', '')}",
+        "PYTHONFAULTHANDLER": "1",
+        "PYTHONUNBUFFERED": "1",
+        "WORKER_TRACEBACK_AFTER": str(max(limit - 20, 10)),
+    }
+    log_dir = Path(os.environ.get("BAILING_GPU_LOG_DIR") or out.parent)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"megatron_worker_{out.stem}.log"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
             "-m", "tests.gpu.megatron_worker", "--model", str(model), "--out", str(out),
             "--backend", "megatron:d1", "--mb-tokens", "4096",
             "--lengths", ",".join(map(str, LENGTHS)), *extra]  # fmt: skip
-    subprocess.run(argv, cwd=repo, env=env, check=True, timeout=500)
+    with open(log, "w") as f:
+        # same process group as pytest: a `timeout` around the run ends the workers too
+        proc = subprocess.Popen(argv, cwd=repo, env=env, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            status = f"exit status {proc.wait(timeout=limit)}"
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # torchrun passes SIGTERM on to its worker and waits for it
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            status = f"killed after {limit:.0f} s"
+    lines = log.read_text(errors="replace").splitlines()
+    name = " ".join(extra) or "(fla)"
+    tail = "\n".join(lines[-60:])
+    print(f"\n--- megatron worker {name}: {status}; last lines of {log} ---\n{tail}")
+    if status != "exit status 0" or not out.exists():
+        raise RuntimeError(f"megatron worker {name}: {status}; log {log}, last lines:\n{tail}")
     return torch.load(out, weights_only=False)
 
 
@@ -308,8 +386,22 @@ def test_megatron_bridge_with_fla_matches_torch_kda_and_hf(bailing_dir, tmp_path
     pytest.importorskip("mbridge")
     from transformers import AutoModelForCausalLM
 
-    with_fla = _megatron_worker(bailing_dir, tmp_path / "fla.pt")
-    torch_kda = _megatron_worker(bailing_dir, tmp_path / "torch.pt", "--kda-torch")
+    # both runs even if one fails: the torch-KDA run tells a bridge fault from an fla one
+    runs, errors = {}, {}
+    for name, extra in (("fla", ()), ("torch", ("--kda-torch",))):
+        try:
+            runs[name] = _megatron_worker(bailing_dir, tmp_path / f"{name}.pt", *extra)
+        except RuntimeError as e:
+            errors[name] = str(e)
+    if errors:
+        _record(
+            "megatron_bridge",
+            failed_runs=sorted(errors),
+            passed_runs=sorted(runs),
+            errors={k: v[-3000:] for k, v in errors.items()},
+        )
+        pytest.fail("\n\n".join(errors.values()), pytrace=False)
+    with_fla, torch_kda = runs["fla"], runs["torch"]
     batch = with_fla["batch"]
     rows = [batch["input_ids"][i, :n] for i, n in enumerate(LENGTHS)]
     model = (
@@ -334,6 +426,7 @@ def test_megatron_bridge_with_fla_matches_torch_kda_and_hf(bailing_dir, tmp_path
     losses = (with_fla["stats"], torch_kda["stats"])
     print(f"\nMegatron bridge bf16 log-probs, lengths {LENGTHS}: {diffs}; step stats {losses}")
     floor = diffs["torch KDA vs HF fp32"]
+    _record("megatron_bridge", **diffs, step_stats=losses, bound=max(5e-2, 3 * floor))
     assert diffs["fla vs torch KDA, before the step"] < max(5e-2, 3 * floor)
     assert diffs["fla vs torch KDA, after the step"] < max(5e-2, 3 * floor)
     assert diffs["fla vs HF fp32"] < max(5e-2, 3 * floor)

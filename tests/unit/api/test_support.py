@@ -144,6 +144,7 @@ def test_fsdp_pipeline_parallelism_is_already_refused_by_the_allocation_parser()
 
 # --- 4. colocation ---
 
+
 @pytest.mark.parametrize("backend", ["sglang:d2t1p1", "hf:d2", "sglang:d1t2p1", "hf:d1p1t2"])
 def test_n_servers_of_tp_t_on_n_t_actor_workers_are_accepted(backend):
     assert refused({**COLOCATED, "rollout.backend": backend}) == []

@@ -113,7 +113,9 @@ def test_tensors_from_another_process_are_loaded_inside_a_session(server, tiny_m
         assert torch.equal(tensor, expected[name]), name
     after = httpx.post(f"{url}/generate", json=PROMPT, timeout=30).json()
     assert after["meta_info"]["weight_version"] == "7"
-    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    assert (
+        after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    )
 
 
 def test_one_entry_per_tp_rank_and_nothing_but_tensors(server, tiny_model_dir):
