@@ -84,6 +84,7 @@ def _allowed() -> dict[tuple[str, str], Any]:
     allowed[("torch", "device")] = torch.device
     allowed[("torch.nn.parameter", "Parameter")] = torch.nn.Parameter
     allowed[("torch.storage", "UntypedStorage")] = torch.UntypedStorage
+    allowed[("torch.storage", "TypedStorage")] = torch.TypedStorage  # a CUDA tensor's storage
     allowed[("torch", "UntypedStorage")] = torch.UntypedStorage
     for name in dir(torch):
         value = getattr(torch, name, None)

@@ -767,3 +767,13 @@ def test_the_embedded_server_serves_the_session_and_tensor_routes_as_sglang(prob
         if getattr(route, "path", None) in {TENSOR_ROUTE, *SESSION_ROUTES}
     }
     assert ours == probes[NEW]["routes"]
+
+
+def test_the_embedded_server_reads_every_global_a_cuda_payload_names(sent: Sent):
+    """The embedded server's reader resolves each global our sender emits for a CUDA
+    tensor (its storage travels as ``torch.storage.TypedStorage``), as SGLang 0.5.23's
+    allowlist does; nothing else is needed to open a CUDA IPC payload."""
+    from areal.inference.tensor_payloads import _Unpickler
+
+    assert sent.cuda_globals
+    assert [g for g in sent.cuda_globals if g not in _Unpickler.allowed] == []
