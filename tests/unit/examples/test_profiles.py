@@ -372,31 +372,35 @@ MINI_TWINS = [
 def _topology(cfg: SWEPPOConfig) -> dict:
     rollout = ModelAllocation.from_str(cfg.rollout.backend).parallel
     actor = ModelAllocation.from_str(cfg.actor.backend)
+    attn = actor.parallel  # a hybrid's attention degrees, with its ffn part's e
     strategy = cfg.rollout.scheduling_strategy
+    agent = cfg.rollout.agent
     return {
         "rollout servers > 1": rollout.dp_size > 1,
-        "rollout tp": rollout.tp_size,
+        "rollout tp > 1": rollout.tp_size > 1,
         "rollout pp": rollout.pp_size,
         "actor engine": actor.backend,
-        "actor ranks > 1": actor.parallel.world_size > 1,
-        "actor model parallel": actor.parallel.tp_size * actor.parallel.pp_size > 1,
+        "actor ranks > 1": attn.world_size > 1,
+        "actor model parallel": attn.tp_size * attn.pp_size * attn.cp_size > 1,
+        "actor hybrid (attn | ffn)": "(attn:" in cfg.actor.backend,
+        "actor context parallel": attn.cp_size > 1,
+        "actor expert parallel": attn.ep_size > 1,
         "route mode": cfg.econfig.arena_llm_route_mode,
-        "agent": (cfg.rollout.agent.mode, cfg.rollout.agent.export_style),
+        "agent": (agent.mode, agent.export_style),
+        "parsers": (agent.tool_call_parser, agent.reasoning_parser),
         "scheduling strategy": (strategy.type, strategy.target, strategy.fork),
         "weight update": cfg.actor.weight_update_mode,
         "multi-stream": bool(cfg.econfig.arena_streams or cfg.econfig.arena_streams_file),
+        "budget rule": cfg.gconfig.max_tokens == cfg.sglang.context_length - 1,
+        "group normalisation": (
+            cfg.gconfig.reward_normalization,
+            cfg.gconfig.drop_incomplete_group,
+        ),
     }
 
 
 # What a mini twin may not keep, and why (each also said in the twin's header comment).
-MINI_DIFFERENCES = {
-    "arena_flash_v3_mini.yaml": {
-        # this port has no AWEX; NCCL cannot join two processes on one (colocated) GPU
-        "weight update": ("awex", "disk"),
-        # 4-way TP servers cannot be forked one per actor worker; colocation needs t1
-        "rollout tp": (4, 1),
-    },
-}
+MINI_DIFFERENCES: dict[str, dict[str, tuple]] = {}
 
 
 @pytest.mark.parametrize(("parent", "twin"), MINI_TWINS)
