@@ -24,12 +24,12 @@ from areal.api.cli_args import (
     SchedulingSpec,
     SchedulingStrategy,
 )
-from areal.api.scheduler_api import RPC_TOKEN_ENV, Job, Worker
-from areal.infra.rpc.client import RPCClient
+from areal.api.scheduler_api import RPC_TOKEN_ENV, Job
 from areal.infra.rpc.processes import descendant_pids, process_alive
 from areal.infra.scheduler.exceptions import WorkerCreationError, WorkerFailedError
 from areal.infra.scheduler.slurm import SlurmScheduler
 from areal.utils import name_resolve
+from tests.helpers.rpc_health import signed_health
 from tests.slurm_cluster import SlurmCluster
 
 pytestmark = pytest.mark.slurm
@@ -77,21 +77,6 @@ def create_engines(sched: SlurmScheduler, worker_ids: list[str]) -> None:
         await asyncio.gather(*(sched.create_engine(w, ECHO) for w in worker_ids))
 
     asyncio.run(create())
-
-
-def signed_health(sched: SlurmScheduler, worker: Worker) -> dict:
-    """``worker``'s own signed ``/health`` answer (asked directly, not through the scheduler)."""
-
-    async def ask() -> dict:
-        client = RPCClient(
-            f"{worker.ip}:{worker.worker_ports[0]}", token=sched.rpc_token, worker_id=worker.id
-        )
-        try:
-            return await client.health()
-        finally:
-            await client.close()
-
-    return asyncio.run(ask())
 
 
 def wait_until(predicate, timeout: float = 10.0) -> bool:

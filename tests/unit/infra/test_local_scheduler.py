@@ -23,7 +23,6 @@ from areal.api.cli_args import (
     SchedulingStrategy,
 )
 from areal.api.scheduler_api import RPC_TOKEN_ENV, Job
-from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.processes import descendant_pids
 from areal.infra.scheduler.exceptions import (
     GPUAllocationError,
@@ -34,6 +33,7 @@ from areal.infra.scheduler.exceptions import (
 )
 from areal.infra.scheduler.local import LocalScheduler
 from areal.utils import name_resolve
+from tests.helpers.rpc_health import signed_health
 
 REPO_ROOT = Path(__file__).resolve().parents[3]
 ECHO = "tests.unit.infra.fake_engines.EchoEngine"
@@ -268,21 +268,6 @@ def test_controller_exit_kills_its_workers(tmp_path, mode, sig):
     finally:
         controller.kill()
         controller.wait()
-
-
-def signed_health(sched: LocalScheduler, worker) -> dict:
-    """``worker``'s own signed ``/health`` answer (asked directly, not through the scheduler)."""
-
-    async def ask() -> dict:
-        client = RPCClient(
-            f"{worker.ip}:{worker.worker_ports[0]}", token=sched.rpc_token, worker_id=worker.id
-        )
-        try:
-            return await client.health()
-        finally:
-            await client.close()
-
-    return asyncio.run(ask())
 
 
 @pytest.mark.parametrize(
