@@ -294,16 +294,21 @@ def run_case(case: Case, updates: int) -> dict:
             with PPOTrainer(cfg, dataset, None) as trainer:
                 setup_s = time.perf_counter() - began
                 seconds = {p: [] for p in (*PHASES, "total")}
+                push_parts: dict[str, list[float]] = {}
                 for version in range(1, updates + 2):  # version 1 is the warm-up
                     stamps = [time.perf_counter()]
                     trainer.rollout.begin_weight_update(version)
                     stamps.append(time.perf_counter())
+                    parts: dict[str, float] = {}  # awex: share, load, release
                     push_weights(
                         trainer.actor,
                         trainer.rollout,
                         trainer._meta_for(version),
                         trainer.actor.weight_plan,
+                        parts,
                     )
+                    for name, value in parts.items():
+                        push_parts.setdefault(name, []).append(value)
                     stamps.append(time.perf_counter())
                     trainer.actor.set_version(version)
                     stamps.append(time.perf_counter())
@@ -331,6 +336,8 @@ def run_case(case: Case, updates: int) -> dict:
         "p90_s": p90(timed),
         "max_s": max(timed),
         "phase_median_s": {p: statistics.median(seconds[p][1:]) for p in PHASES},
+        # awex: the push's parts (the ranks share, the servers load, the ranks free)
+        "push_part_median_s": {k: statistics.median(v[1:]) for k, v in push_parts.items()},
         "update_s": timed,
     }
 

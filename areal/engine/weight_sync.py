@@ -75,20 +75,33 @@ def connect_weight_sync(trainer: Any, rollout: Any, meta: WeightUpdateMeta) -> A
 
 
 def push_weights(
-    trainer: Any, rollout: Any, meta: WeightUpdateMeta, buckets: list[list[ParamSpec]] | None
+    trainer: Any,
+    rollout: Any,
+    meta: WeightUpdateMeta,
+    buckets: list[list[ParamSpec]] | None,
+    timings: dict[str, float] | None = None,
 ) -> None:
     """One weight update: the rollout side receives while the trainer sends.
 
     ``buckets`` is :func:`connect_weight_sync`'s plan (``xccl``). The rollout side's
     barrier must be closed (``begin_weight_update``); its servers serve the new weights
-    when this returns.
+    when this returns. ``timings`` (``awex``) gets the seconds of its three parts: ``share``
+    (the ranks share their buckets), ``load`` (the servers load them and serve again) and
+    ``release`` (the ranks free them).
     """
     if meta.type == "awex":  # handles first, then the loads: nothing runs concurrently
+        stamps = [time.perf_counter()]
         payloads = trainer.share_weights(meta)
+        stamps.append(time.perf_counter())
         try:
             rollout.receive_weights(meta, payloads=payloads)
+            stamps.append(time.perf_counter())
         finally:
             trainer.release_shared_weights()
+            stamps.append(time.perf_counter())
+        if timings is not None and len(stamps) == 4:
+            for name, start, stop in zip(("share", "load", "release"), stamps, stamps[1:]):
+                timings[name] = stop - start
         return
     if meta.type == "xccl" and buckets is None:
         raise RuntimeError("connect_weight_sync() before pushing weights over xccl")
