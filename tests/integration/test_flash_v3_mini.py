@@ -3,7 +3,7 @@
 ``examples/swe/arena_flash_v3_mini.yaml`` inherits arena_flash_v3.yaml's recipe and keeps
 its mechanisms at the smallest size: a Ling 3 model (the tiny BailingMoeV3), a hybrid
 Megatron actor with context parallelism 2 in its attention part and expert parallelism 2 in
-its ffn part (``megatron:(attn:d2p1t1c2|ffn:d2p1t1e2)``, on CPU through the test shim), two
+its ffn part (``megatron:(attn:d1p1t2c2|ffn:d2p1t1e2)``, on CPU through the test shim), two
 TP-2 servers colocated by fork on the actor's four ranks, in-place ``awex`` weight updates
 (shared memory on CPU), the ``ling3`` parsers and two Anthropic-protocol Streams with pinned
 Harness and reward refs. After each update every server's log-probs must equal the actor's.
@@ -106,7 +106,8 @@ def test_flash_v3_mini_trains_two_steps_with_every_mechanism_on_cpu(tmp_path, ba
     )
     check_steps(tmp_path, stats, steps=2, tp=2, tolerance=1e-4)
     actor_log = (log_dir_of(tmp_path) / "actor.log").read_text()
-    assert "context_parallel_size=2, expert_parallel_size=2" in actor_log  # Megatron engine ready
+    assert "tensor_parallel_size=2" in actor_log  # Megatron engine ready
+    assert "context_parallel_size=2, expert_parallel_size=2" in actor_log
 
 
 @pytest.mark.gpu
