@@ -116,13 +116,13 @@ COLOCATED = [
     "rollout.scheduling_strategy.target=actor",
     "rollout.scheduling_strategy.fork=true",
 ]
-# Qwen3-4B's shape (random weights): build_tiny_model derives head_dim from the hidden
-# size (2560 / 32 = 80), Qwen3-4B's is 128, so this one is built here
+# Qwen3-4B's shape (random weights), in build_tiny_model's terms
 QWEN3_4B_SHAPE = dict(
+    arch="qwen3",
     hidden_size=2560,
-    num_hidden_layers=36,
-    num_attention_heads=32,
-    num_key_value_heads=8,
+    num_layers=36,
+    num_heads=32,
+    num_kv_heads=8,
     head_dim=128,
     intermediate_size=9728,
     vocab_size=151936,
@@ -154,59 +154,14 @@ def skip_reason(case: Case) -> str | None:
     return None
 
 
-def hf_config(model: str):
-    """The HF config of a GPU case's random model (the tokenizer's special ids set as
-    :func:`areal.utils.tiny_model.build_tiny_model` sets them)."""
-    from transformers import Qwen2Config, Qwen3Config
+def shape_of(model: str) -> dict:
+    """A GPU case's model shape (:func:`areal.utils.tiny_model.build_tiny_model`'s terms)."""
+    from areal.utils.tiny_model import QWEN2_05B_SHAPE
 
-    from areal.utils.tiny_model import QWEN2_05B_SHAPE, build_tokenizer
-
-    tok = build_tokenizer()
-    ids = dict(
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.convert_tokens_to_ids("<|endoftext|>"),
-        bos_token_id=None,
-    )
-    if model == "qwen05b":
-        s = QWEN2_05B_SHAPE
-        return Qwen2Config(
-            vocab_size=s["vocab_size"],
-            hidden_size=s["hidden_size"],
-            intermediate_size=s["intermediate_size"],
-            num_hidden_layers=s["num_layers"],
-            num_attention_heads=s["num_heads"],
-            num_key_value_heads=s["num_kv_heads"],
-            max_position_embeddings=s["max_position_embeddings"],
-            tie_word_embeddings=s["tie_word_embeddings"],
-            **ids,
-        )
-    if model == "qwen4b":
-        return Qwen3Config(**QWEN3_4B_SHAPE, **ids)
-    raise ValueError(f"no HF config here for model {model!r}")
-
-
-def build_qwen3_4b(path: Path) -> Path:
-    """A random Qwen3-4B-shaped model in bfloat16 plus the tiny tokenizer, initialized on
-    the GPU (a CPU init of 4B parameters takes minutes) and saved to ``path``."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from areal.utils.tiny_model import build_tokenizer
-
-    path.mkdir(parents=True, exist_ok=True)
-    config = hf_config("qwen4b")
-    torch.manual_seed(0)
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    model.generation_config = GenerationConfig(
-        eos_token_id=[config.eos_token_id, config.pad_token_id],
-        pad_token_id=config.pad_token_id,
-    )
-    model.save_pretrained(path)
-    build_tokenizer().save_pretrained(path)
-    del model
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()  # the workers get the card (this process keeps a context)
-    return path
+    shapes = {"qwen05b": QWEN2_05B_SHAPE, "qwen4b": QWEN3_4B_SHAPE}
+    if model not in shapes:
+        raise ValueError(f"no random-model shape here for model {model!r}")
+    return shapes[model]
 
 
 def model_dir(case: Case, tmp: Path) -> Path | None:
@@ -215,12 +170,18 @@ def model_dir(case: Case, tmp: Path) -> Path | None:
         from areal.utils.smollm2 import smollm2_path
 
         return smollm2_path()
-    if case.model == "qwen05b":
-        from areal.utils.tiny_model import QWEN2_05B_SHAPE, build_tiny_model
+    if case.model in ("qwen05b", "qwen4b"):
+        from areal.utils.tiny_model import build_tiny_model
 
-        return build_tiny_model(tmp / "qwen05b", **QWEN2_05B_SHAPE, dtype="bfloat16")
-    if case.model == "qwen4b":
-        return build_qwen3_4b(tmp / "qwen4b")
+        # random weights in bfloat16, initialized on the GPU (a CPU init of 4B parameters
+        # takes minutes); the cache is emptied so that the workers get the card
+        on = "cuda" if torch.cuda.is_available() else "cpu"
+        path = build_tiny_model(
+            tmp / case.model, **shape_of(case.model), dtype="bfloat16", device=on
+        )
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return path
     return None
 
 
@@ -358,7 +319,9 @@ def dry_run(cases: list[Case]) -> bool:
         with tempfile.TemporaryDirectory(prefix="areal-ws-dry-") as tmp:
             params = None
             if case.model in ("qwen05b", "qwen4b"):  # the config only, no weights
-                config = hf_config(case.model)
+                from areal.utils.tiny_model import tiny_model_config
+
+                config, _ = tiny_model_config(**shape_of(case.model))
                 model = Path(tmp) / case.model
                 config.save_pretrained(model)
                 with torch.device("meta"):

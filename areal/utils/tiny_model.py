@@ -17,7 +17,7 @@ import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = [
     "CHAT_TEMPLATE",
@@ -270,48 +270,27 @@ QWEN2_05B_SHAPE = dict(
 )
 
 
-def build_tiny_model(
-    path: str | os.PathLike[str],
+def tiny_model_config(
     *,
     arch: str = "qwen3",
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
     num_kv_heads: int = 2,
+    head_dim: int | None = None,
     intermediate_size: int = 128,
     max_position_embeddings: int = 2048,
     vocab_size: int | None = None,
-    seed: int = 0,
-    dtype: str = "float32",
     tie_word_embeddings: bool = False,
     num_experts: int = 4,
     num_experts_per_tok: int = 2,
     tokenizer: Literal["qwen", "ling3"] = "qwen",
-) -> Path:
-    """Write a randomly initialized model plus tokenizer to ``path``; returns the path.
+):
+    """The HF config :func:`build_tiny_model` writes (arguments as there), and its
+    tokenizer. ``head_dim`` defaults to ``hidden_size // num_heads`` (qwen3 and qwen3_moe;
+    qwen2 derives it itself)."""
+    from transformers import Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    ``arch``: ``qwen3``, ``qwen2`` or ``qwen3_moe`` (every layer a mixture of
-    ``num_experts`` experts of ``intermediate_size``, ``num_experts_per_tok`` routed per
-    token, normalized top-k weights).
-
-    ``vocab_size`` defaults to the tokenizer's size; a larger value (e.g. 151936 for a
-    Qwen2-0.5B-shaped model) is allowed, the extra ids are simply never produced by the
-    tokenizer.
-
-    ``tokenizer``: ``qwen`` (:func:`build_tokenizer`) or ``ling3``
-    (:func:`build_ling3_tokenizer`); the model's EOS is the tokenizer's end of turn.
-    """
-    import torch
-    from transformers import (
-        AutoModelForCausalLM,
-        GenerationConfig,
-        Qwen2Config,
-        Qwen3Config,
-        Qwen3MoeConfig,
-    )
-
-    out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
     if tokenizer not in ("qwen", "ling3"):
         raise ValueError(f"tokenizer must be 'qwen' or 'ling3', got {tokenizer!r}")
     tok = build_tokenizer() if tokenizer == "qwen" else build_ling3_tokenizer()
@@ -331,13 +310,14 @@ def build_tiny_model(
         pad_token_id=pad,
         bos_token_id=None,
     )
+    head_dim = head_dim or hidden_size // num_heads
     if arch == "qwen3":
-        config = Qwen3Config(head_dim=hidden_size // num_heads, **common)
+        config = Qwen3Config(head_dim=head_dim, **common)
     elif arch == "qwen2":
         config = Qwen2Config(**common)
     elif arch == "qwen3_moe":
         config = Qwen3MoeConfig(
-            head_dim=hidden_size // num_heads,
+            head_dim=head_dim,
             num_experts=num_experts,
             num_experts_per_tok=num_experts_per_tok,
             moe_intermediate_size=intermediate_size,
@@ -348,8 +328,46 @@ def build_tiny_model(
         )
     else:
         raise ValueError(f"arch must be 'qwen3', 'qwen2' or 'qwen3_moe', got {arch!r}")
+    return config, tok
+
+
+def build_tiny_model(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    dtype: str = "float32",
+    device: str = "cpu",
+    **shape: Any,
+) -> Path:
+    """Write a randomly initialized model plus tokenizer to ``path``; returns the path.
+
+    ``shape``: :func:`tiny_model_config`'s arguments. ``arch``: ``qwen3``, ``qwen2`` or
+    ``qwen3_moe`` (every layer a mixture of ``num_experts`` experts of
+    ``intermediate_size``, ``num_experts_per_tok`` routed per token, normalized top-k
+    weights).
+
+    ``vocab_size`` defaults to the tokenizer's size; a larger value (e.g. 151936 for a
+    Qwen2-0.5B-shaped model) is allowed, the extra ids are simply never produced by the
+    tokenizer.
+
+    ``tokenizer``: ``qwen`` (:func:`build_tokenizer`) or ``ling3``
+    (:func:`build_ling3_tokenizer`); the model's EOS is the tokenizer's end of turn.
+
+    ``device``: where the weights are initialized (``cuda`` for multi-billion shapes,
+    whose CPU init takes minutes).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    config, tok = tiny_model_config(**shape)
+    eos, pad = config.eos_token_id, config.pad_token_id
+    arch = shape.get("arch", "qwen3")
+    tokenizer = shape.get("tokenizer", "qwen")
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.generation_config = GenerationConfig(eos_token_id=[eos, pad], pad_token_id=pad)
     model.save_pretrained(out)
     tok.save_pretrained(out)
