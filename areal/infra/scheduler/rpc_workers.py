@@ -11,7 +11,8 @@ and behaves the same on every backend:
   :class:`~areal.utils.name_resolve.NfsNameRecordRepository`) is refused before any
   request goes to its address, and a worker counts as found only once its signed
   ``/health`` answer verifies (:mod:`areal.infra.rpc.auth`),
-* forking one new worker per target worker through the target's ``/fork``,
+* forking new workers beside a target role's through the target's ``/fork``
+  (:mod:`areal.infra.scheduler.forked_workers`),
 * engine creation and calls (with the liveness check of the backend), each stated once
   as a coroutine on the RPC loop (:mod:`areal.infra.rpc.loop`),
 * teardown: engines destroyed over RPC, dependents first, and an ``atexit`` and
@@ -42,7 +43,7 @@ from areal.api.cli_args import SchedulingSpec
 from areal.api.scheduler_api import Job, Scheduler, Worker
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.loop import run_sync
-from areal.infra.rpc.secret_env import SECRETS_FILE_ENV, SecretScope
+from areal.infra.rpc.secret_env import SecretScope
 from areal.infra.rpc.serialization import SerializationError
 from areal.infra.scheduler.exceptions import (
     RPCAuthenticationError,
@@ -52,6 +53,11 @@ from areal.infra.scheduler.exceptions import (
     WorkerCreationError,
     WorkerNotFoundError,
     WorkerTimeoutError,
+)
+from areal.infra.scheduler.forked_workers import (
+    FORK_HEALTH_TIMEOUT,
+    RPC_SERVER_MODULE,
+    ForkedWorkers,
 )
 from areal.infra.scheduler.run_secrets import RunSecrets
 from areal.infra.scheduler.teardown import teardown
@@ -80,11 +86,8 @@ __all__ = [
 
 logger = logging.getLogger("scheduler")
 
-RPC_SERVER_MODULE = "areal.infra.rpc.rpc_server"
-FORK_HEALTH_TIMEOUT = 60.0
 
-
-class RPCWorkerScheduler(Scheduler):
+class RPCWorkerScheduler(ForkedWorkers, Scheduler):
     """A :class:`Scheduler` minus the backend: subclasses start, check and stop processes.
 
     ``exp_config`` is the experiment config (``experiment_name``, ``trial_name``,
@@ -421,87 +424,6 @@ class RPCWorkerScheduler(Scheduler):
             WorkerRole(role, "alias", ids, target.spec, target=target.name), handles
         )
         return ids
-
-    # --- forking ---
-
-    def fork_workers(
-        self, role: str, target_role: str, command: str | None = None, group: int = 1
-    ) -> list[str]:
-        """One worker of ``role`` beside each of ``target_role``'s workers, or with
-        ``group`` > 1 beside the first of every ``group`` consecutive ones, seeing the
-        GPUs of the whole group (a TP server spanning their devices)."""
-        self._check_new_role(role)
-        target = self._role(target_role)
-        target_workers = self.get_workers(target_role)
-        if group < 1 or len(target_workers) % group:
-            raise WorkerCreationError(
-                f"role {role!r}: {len(target_workers)} {target_role} worker(s) do not split "
-                f"into groups of {group}"
-            )
-        module = command or RPC_SERVER_MODULE
-        python = self._fork_interpreter(target)
-        forked: list[WorkerHandle] = []
-        try:
-            values = self.worker_secrets(role)
-            for index in range(len(target_workers) // group):
-                members = target_workers[index * group : (index + 1) * group]
-                tw = members[0]
-                parent = self._client_of(tw.id)
-                port = run_sync(parent.alloc_ports(1))[0]
-                raw_cmd = [python, "-m", module, "--host", tw.ip, "--port", str(port)]
-                raw_cmd += self._identity_flags(role, index)
-                # the child's secrets come from a private file it removes once read, not
-                # from its parent's environment
-                secrets_file = str(self._write_secrets(f"{role}.{index}", values))
-                env = {SECRETS_FILE_ENV: secrets_file}
-                devices = self._group_devices(members) if group > 1 else ""
-                if devices:
-                    env["CUDA_VISIBLE_DEVICES"] = devices
-                info = run_sync(parent.fork(role, index, raw_cmd, env=env))
-                h = WorkerHandle(
-                    f"{role}/{index}", role, index, pid=int(info["pid"]), parent_id=tw.id
-                )
-                h.client = self._make_client(h, f"{tw.ip}:{port}")
-                forked.append(h)
-            parallel(self._wait_forked, forked)
-            workers = run_sync(self._finish_workers(forked, len(target_workers[0].engine_ports)))
-        except Exception:
-            parallel(self._stop_forked, forked)
-            raise
-        r = WorkerRole(role, "forked", [h.id for h in forked], target.spec, target_role, workers)
-        self._register_role(r, forked)
-        return [h.id for h in forked]
-
-    def _group_devices(self, members: list[Worker]) -> str:
-        """The GPUs every worker of ``members`` sees, in order ("" on CPU)."""
-        seen: list[str] = []
-        for member in members:
-            info = run_sync(self._client_of(member.id).health())
-            for device in str(info.get("visible_devices") or "").split(","):
-                if device and device not in seen:
-                    seen.append(device)
-        return ",".join(seen)
-
-    def _wait_forked(self, h: WorkerHandle) -> None:
-        deadline = time.monotonic() + FORK_HEALTH_TIMEOUT
-        while True:
-            self._check_alive(h)
-            try:
-                run_sync(h.client.health(timeout=2.0))
-                return
-            except RPCConnectionError:
-                if time.monotonic() > deadline:
-                    raise WorkerTimeoutError(
-                        f"forked worker {h.id} not healthy after {FORK_HEALTH_TIMEOUT:.0f}s"
-                    ) from None
-                time.sleep(0.5)
-
-    def _stop_forked(self, h: WorkerHandle) -> None:
-        try:
-            run_sync(self._client_of(h.parent_id).kill_forked_worker(h.role, h.index))
-        except (SchedulerError, KeyError) as e:
-            logger.debug("kill_forked_worker %s via its parent failed: %s", h.id, e)
-        self._kill_forked(h)
 
     # --- engines ---
 
