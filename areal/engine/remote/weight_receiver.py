@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 from collections.abc import Callable
 
 from areal.api.cli_args import InferenceEngineConfig
@@ -43,7 +42,9 @@ class WeightReceiver:
         self._pool = pool
         self._on_version = on_version
         self._servers_held = False  # paused by this worker's begin_weight_update
-        self._session_open = False  # the servers' weight-update session (xccl buckets)
+        # the servers' weight-update session: opened by the first load of an update
+        # (a broadcast or a shared bucket), closed by resume_serving once all are in
+        self._session_open = False
 
     def attach_barrier(self, path: str) -> None:
         """Follow another process's barrier (a proxy follows its rollout worker's)."""
@@ -69,7 +70,7 @@ class WeightReceiver:
     def resume_serving(self) -> None:
         """The servers hold the new weights: they serve direct requests again (probes,
         the weight-sync check). Rollouts stay held until :meth:`end_weight_update`."""
-        if self._session_open:  # the broadcast buckets are all in
+        if self._session_open:  # every bucket is in
             self._session_open = False
             self.client.open_weight_session(begin=False)
         if self._servers_held:
@@ -145,9 +146,7 @@ class WeightReceiver:
         """Every server receives one bucket of broadcast tensors (one try)."""
 
         def run() -> None:
-            if not self._session_open:  # closed by resume_serving, after the last bucket
-                self.client.open_weight_session(begin=True)
-                self._session_open = True
+            self._open_session()
             request = self.backend.build_distributed_weight_update_requests(
                 meta, param_specs
             ).requests[0]
@@ -161,8 +160,9 @@ class WeightReceiver:
         """Every server loads tensors handed over by handle by its colocated actor ranks
         (``awex``): ``payloads[k * t + r]`` are the buckets of TP rank ``r`` of this
         worker's server ``k`` (``t = meta.gen_tp_size``), bucket ``b`` of every rank sent
-        in one request. Inside a weight-update session; one try each (the trainer frees
-        the shared tensors once this returns)."""
+        in one request. Inside the servers' weight-update session, which
+        :meth:`resume_serving` closes; one try each (the trainer frees the shared tensors
+        once this returns)."""
         t = meta.gen_tp_size
         addresses = self.client.addresses
         if len(payloads) != len(addresses) * t or len({len(p) for p in payloads}) > 1:
@@ -172,29 +172,25 @@ class WeightReceiver:
             )
 
         def run() -> None:
-            n_buckets = len(payloads[0]) if payloads else 0
-            self.client.open_weight_session(begin=True)
-            try:
-                self._send_buckets(meta, payloads, n_buckets)
-            except BaseException:
-                with contextlib.suppress(Exception):  # the load's error is the one to report
-                    self.client.open_weight_session(begin=False)
-                raise
-            self.client.open_weight_session(begin=False)
+            self._open_session()
+            n = len(payloads[0]) if payloads else 0
+            for b in range(n):
+                last = b == n - 1
+                version = str(meta.version) if last and meta.version is not None else None
+                requests = {
+                    address: self.backend.build_tensor_weight_update_request(
+                        [payloads[k * t + r][b] for r in range(t)],
+                        flush_cache=last,
+                        weight_version=version,
+                    )
+                    for k, address in enumerate(addresses)
+                }
+                self.client.send_once(requests)
 
         return self._pool.submit(run)
 
-    def _send_buckets(self, meta: WeightUpdateMeta, payloads: list[list[str]], n: int) -> None:
-        t, addresses = meta.gen_tp_size, self.client.addresses
-        for b in range(n):
-            last = b == n - 1
-            version = str(meta.version) if last and meta.version is not None else None
-            requests = {
-                address: self.backend.build_tensor_weight_update_request(
-                    [payloads[k * t + r][b] for r in range(t)],
-                    flush_cache=last,
-                    weight_version=version,
-                )
-                for k, address in enumerate(addresses)
-            }
-            self.client.send_once(requests)
+    def _open_session(self) -> None:
+        """Open the servers' weight-update session unless this update already did."""
+        if not self._session_open:
+            self.client.open_weight_session(begin=True)
+            self._session_open = True
