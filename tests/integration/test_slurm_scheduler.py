@@ -56,7 +56,8 @@ def make_config(root: Path) -> BaseExperimentConfig:
 
 
 @pytest.fixture
-def scheduler(slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def submit_env(slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """The controller's environment: the cluster, the container stand-in, a token."""
     monkeypatch.chdir(REPO_ROOT)  # workers import tests.* through the controller's cwd
     # a controller that already holds a token exports its environment to sbatch: the
     # scheduler must keep the token out of what Slurm stores with the job
@@ -66,10 +67,16 @@ def scheduler(slurm_cluster: SlurmCluster, tmp_path: Path, monkeypatch: pytest.M
     monkeypatch.setenv("AREAL_CONTAINER_BIN", f"{sys.executable} {STANDIN}")
     monkeypatch.setenv("CONTAINER_STANDIN_LOG", str(tmp_path / "standin.jsonl"))
     monkeypatch.setenv("AREAL_TEST_CREDENTIAL", CREDENTIAL)
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)  # a controller outside Slurm
+    yield
+    name_resolve.reconfigure("memory")
+
+
+@pytest.fixture
+def scheduler(submit_env: None, tmp_path: Path):
     sched = SlurmScheduler(make_config(tmp_path), stop_grace=5.0)
     yield sched
     sched.delete_workers()
-    name_resolve.reconfigure("memory")
 
 
 def create_engines(sched: SlurmScheduler, worker_ids: list[str]) -> None:
@@ -348,3 +355,88 @@ def test_dead_role_log_reaches_the_error(scheduler: SlurmScheduler):
         scheduler.get_workers("crash", timeout=STARTUP)
     assert info.value.exit_code == 3
     assert "FAILED" in info.value.logs
+
+
+# --- a killed controller's workers ---
+
+CPU_WORKER = SchedulingSpec(cpu=1, mem=1, cmd=RPC_SERVER, container_type="none")
+
+
+def submit_controller(slurm_cluster: SlurmCluster, tmp_path: Path) -> str:
+    """A stand-in for the controller's own Slurm job."""
+    out = slurm_cluster.client(
+        "sbatch",
+        "--parsable",
+        "--job-name=trainer",
+        f"--output={tmp_path / 'trainer.out'}",
+        "--wrap",
+        "sleep 600",
+    )
+    return out.stdout.strip().split(";")[0]
+
+
+def test_a_worker_job_ends_with_its_controller_job(
+    submit_env: None,
+    slurm_cluster: SlurmCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+):
+    controller = submit_controller(slurm_cluster, tmp_path)
+    sched = None
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", controller)  # the controller runs in that job
+        sched = SlurmScheduler(make_config(tmp_path), stop_grace=5.0)
+        sched.controller_poll = 1.0
+        sched.create_workers(Job("actor", 1, [CPU_WORKER]))
+        worker = sched.job_ids()["actor"]
+        queue = slurm_cluster.client("squeue", "--noheader", "--format=%i|%k").stdout
+        assert f"{worker}|areal-controller={controller}" in queue.split()
+
+        slurm_cluster.client("scancel", controller)  # the controller is killed: no cleanup
+        assert wait_until(lambda: worker not in slurm_cluster.job_ids(), timeout=30)
+        log = (sched.log_dir / "actor.log").read_text()
+        assert f"controller job {controller} has ended" in log
+    finally:
+        slurm_cluster.client("scancel", controller, check=False)
+        if sched is not None:
+            sched.delete_workers()
+    assert wait_until(lambda: slurm_cluster.job_ids() == [])
+
+
+def test_a_new_controller_cancels_the_workers_a_dead_one_left(
+    submit_env: None,
+    slurm_cluster: SlurmCluster,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    areal_logs: pytest.LogCaptureFixture,
+):
+    controller = submit_controller(slurm_cluster, tmp_path)
+    schedulers: list[SlurmScheduler] = []
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", controller)
+        old = SlurmScheduler(make_config(tmp_path), stop_grace=5.0)
+        schedulers.append(old)
+        old.controller_poll = 600.0  # the worker's own watcher must not be what ends it
+        old.create_workers(Job("actor", 1, [CPU_WORKER]))
+        leftover = old.job_ids()["actor"]
+        slurm_cluster.client("scancel", controller)  # killed, its workers left behind
+        assert wait_until(lambda: controller not in slurm_cluster.job_ids())
+        assert leftover in slurm_cluster.job_ids()
+
+        monkeypatch.delenv("SLURM_JOB_ID")  # resubmitted, this time outside Slurm
+        new = SlurmScheduler(make_config(tmp_path), stop_grace=5.0)
+        schedulers.append(new)
+        new.create_workers(Job("actor", 1, [CPU_WORKER]))
+        assert slurm_cluster.job_ids() == [new.job_ids()["actor"]]
+        assert new.job_ids()["actor"] != leftover
+        warnings = [r.getMessage() for r in areal_logs.records if "left by" in r.getMessage()]
+        assert warnings == [
+            f"Trial exp/trial: cancelling Slurm job(s) {leftover} left by controller job(s) "
+            f"{controller} (no longer in the queue)"
+        ]
+        new.get_workers("actor", timeout=STARTUP)  # its worker registers and comes up
+    finally:
+        slurm_cluster.client("scancel", controller, check=False)
+        for sched in schedulers:
+            sched.delete_workers()
+    assert wait_until(lambda: slurm_cluster.job_ids() == [])

@@ -20,12 +20,20 @@ directory; the batch script sources that file and deletes it at job start. They 
 therefore never in a job script (``scontrol write batch_script``), in ``scontrol show
 job``, in any argv, nor in the environment ``sbatch`` stores with the job (the submit
 environment is stripped of them).
+
+A killed controller runs no cleanup. When it runs in a Slurm job itself, each worker job
+records that job and cancels itself once it is over (see
+:func:`~areal.infra.scheduler.slurm_batch.controller_watcher`); and before its first
+submission a scheduler cancels the worker jobs a dead controller of the same trial left
+in the queue, or refuses to start beside those of a live one
+(:mod:`areal.infra.scheduler.slurm_leftovers`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import re
 import shlex
 import shutil
@@ -33,8 +41,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +72,7 @@ from areal.infra.scheduler.slurm_batch import (
     split_env,
     worker_env,
 )
+from areal.infra.scheduler.slurm_leftovers import ended_controllers, find_leftovers
 from areal.utils import logging
 from areal.utils.lifeline import PARENT_PID_ENV
 from areal.utils.logging import SECRET_ENV_VARS
@@ -111,14 +120,22 @@ class JobStatus:
 
 
 @dataclass
-class _SlurmJob:
+class _JobRef:
+    """A Slurm job and its last ``squeue`` status (reused for ``status_ttl`` seconds)."""
+
     job_id: str
-    role: str
     name: str
+    status: JobStatus | None = field(default=None, kw_only=True)
+    checked_at: float = field(default=0.0, kw_only=True)
+
+
+@dataclass
+class _SlurmJob(_JobRef):
+    """A role's job, submitted by this scheduler."""
+
+    role: str
     resources: SlurmResources
     secrets_file: Path
-    status: JobStatus | None = None
-    checked_at: float = 0.0
     capacity_checked: bool = False
 
 
@@ -127,12 +144,14 @@ class SlurmScheduler(RPCWorkerScheduler):
 
     ``container_bin`` overrides ``$AREAL_CONTAINER_BIN`` (a command, split by shell
     rules); ``status_ttl`` is how long a job's ``squeue`` state is reused by liveness
-    checks.
+    checks. ``controller_job`` is the controller's own Slurm job (``$SLURM_JOB_ID``), if
+    any; worker jobs end with it, checking every ``controller_poll`` seconds.
     """
 
     backend_name = "Slurm scheduler"
     record_root_hint = "a directory every node shares"
     poll_interval = 0.5
+    controller_poll = 10.0  # seconds between a worker job's checks of the controller's job
 
     def __init__(
         self,
@@ -160,8 +179,11 @@ class SlurmScheduler(RPCWorkerScheduler):
         self.container_bin = shlex.split(binary)
         self.enable_offload = bool(getattr(exp_config, "enable_offload", False))
         self.status_ttl = status_ttl
+        controller_job = os.environ.get("SLURM_JOB_ID", "")
+        self.controller_job = controller_job if controller_job.isdigit() else None
         self._jobs: dict[str, _SlurmJob] = {}
         self._status_lock = threading.Lock()
+        self._leftovers_cleared = False
         for what, path in (
             ("cluster.fileroot", self.fileroot),
             ("cluster.name_resolve.nfs_record_root", self._name_resolve.nfs_record_root),
@@ -185,6 +207,7 @@ class SlurmScheduler(RPCWorkerScheduler):
                 "replicas' scheduling specs must be equal"
             )
         self._check_worker_cmd(shlex.split(spec.cmd or RPC_SERVER_CMD), role)
+        self._clear_leftovers()
         pinned = self._nodes_of(colocate_with) if colocate_with is not None else None
         resources = plan_resources(spec, len(specs), self.n_gpus_per_node, role, pinned)
         env = worker_env(
@@ -198,7 +221,7 @@ class SlurmScheduler(RPCWorkerScheduler):
         secrets_file = self._write_secrets(role, secrets)
         job = BatchJob(
             role=role,
-            job_name=f"{self.experiment_name}_{self.trial_name}:{role}",
+            job_name=self._job_prefix + role,
             resources=resources,
             spec=spec,
             env=env,
@@ -206,6 +229,8 @@ class SlurmScheduler(RPCWorkerScheduler):
             container_bin=self.container_bin,
             log_dir=self.log_dir,
             secrets_file=secrets_file,
+            controller_job=self.controller_job,
+            controller_poll=self.controller_poll,
         )
         script = self.log_dir / f"{role}.sh"
         try:
@@ -214,7 +239,9 @@ class SlurmScheduler(RPCWorkerScheduler):
         except BaseException:
             secrets_file.unlink(missing_ok=True)
             raise
-        record = _SlurmJob(job_id, role, job.job_name, resources, secrets_file)
+        record = _SlurmJob(
+            job_id, job.job_name, role=role, resources=resources, secrets_file=secrets_file
+        )
         with self._lock:
             self._jobs[role] = record
         logger.info("Submitted %s as Slurm job %s (%s)", role, job_id, _describe(resources))
@@ -227,6 +254,34 @@ class SlurmScheduler(RPCWorkerScheduler):
         r = WorkerRole(role, "process", [h.id for h in handles], spec)
         self._register_role(r, handles)
         return r.worker_ids
+
+    @property
+    def _job_prefix(self) -> str:
+        """How the names of this trial's jobs start (``{exp}_{trial}:{role}``)."""
+        return f"{self.experiment_name}_{self.trial_name}:"
+
+    def _clear_leftovers(self) -> None:
+        """Before the first sbatch: cancel the jobs a dead controller of this trial left.
+
+        Raises ``SchedulerError`` (and submits nothing) when their controller still runs
+        or cannot be told; the check is then repeated on the next submission.
+        """
+        with self._lock:
+            if self._leftovers_cleared:
+                return
+            user = pwd.getpwuid(os.getuid()).pw_name
+            leftovers = find_leftovers(self._slurm, user, self._job_prefix)
+            if leftovers:
+                trial = f"{self.experiment_name}/{self.trial_name}"
+                ended = ended_controllers(leftovers, self.controller_job, self._slurm, trial)
+                logger.warning(
+                    "Trial %s: cancelling Slurm job(s) %s left by controller job(s) %s",
+                    trial,
+                    ", ".join(job.job_id for job in leftovers),
+                    ", ".join(f"{job_id} ({end})" for job_id, end in ended.items()),
+                )
+                self._cancel([_JobRef(job.job_id, job.name) for job in leftovers], wait=True)
+            self._leftovers_cleared = True
 
     def _submit(self, role: str, script: Path, resources: SlurmResources) -> str:
         result = self._slurm("sbatch", "--parsable", str(script), check=False, timeout=60)
@@ -258,7 +313,7 @@ class SlurmScheduler(RPCWorkerScheduler):
 
     # --- job state ---
 
-    def _status(self, record: _SlurmJob, fresh: bool = False) -> JobStatus:
+    def _status(self, record: _JobRef, fresh: bool = False) -> JobStatus:
         with self._status_lock:
             now = time.monotonic()
             if not fresh and record.status and now - record.checked_at < self.status_ttl:
@@ -311,7 +366,7 @@ class SlurmScheduler(RPCWorkerScheduler):
         detail = capacity or NEVER_STARTS.get(reason)
         if detail is None:
             return
-        self._cancel(record, wait=False)
+        self._cancel([record], wait=False)
         raise WorkerCreationError(
             f"Slurm job {record.job_id} ({record.name}) for role {record.role!r} can never "
             f"start: it is PENDING with reason {status.reason}: {detail}. It asks for "
@@ -357,28 +412,36 @@ class SlurmScheduler(RPCWorkerScheduler):
     def _stop_started(self, r: WorkerRole, handles: list[WorkerHandle]) -> None:
         record = self._jobs.get(r.name)
         if record is not None:
-            self._cancel(record, wait=True)
+            self._cancel([record], wait=True)
             self._forget_job(record)
 
-    def _cancel(self, record: _SlurmJob, wait: bool) -> None:
+    def _cancel(self, jobs: Sequence[_JobRef], wait: bool) -> None:
         """``scancel`` (SIGTERM, so workers shut down in order); SIGKILL after the grace."""
-        self._slurm("scancel", record.job_id, check=False)
-        if not wait or self._wait_ended(record, self.stop_grace):
+        self._slurm("scancel", *(job.job_id for job in jobs), check=False)
+        if not wait:
             return
+        active = self._wait_ended(jobs, self.stop_grace)
+        if not active:
+            return
+        ids = [job.job_id for job in active]
         logger.warning(
-            "Slurm job %s still active after %.0fs; killing it", record.job_id, self.stop_grace
+            "Slurm job(s) %s still active after %.0fs; killing them",
+            ", ".join(ids),
+            self.stop_grace,
         )
-        self._slurm("scancel", "--signal=KILL", "--full", record.job_id, check=False)
-        if not self._wait_ended(record, KILL_WAIT):
-            logger.warning("Slurm job %s did not end after SIGKILL", record.job_id)
+        self._slurm("scancel", "--signal=KILL", "--full", *ids, check=False)
+        for job in self._wait_ended(active, KILL_WAIT):
+            logger.warning("Slurm job %s did not end after SIGKILL", job.job_id)
 
-    def _wait_ended(self, record: _SlurmJob, timeout: float) -> bool:
+    def _wait_ended(self, jobs: Sequence[_JobRef], timeout: float) -> list[_JobRef]:
+        """Wait up to ``timeout`` seconds for ``jobs`` to end; return those still active."""
         deadline = time.monotonic() + timeout
-        while self._status(record, fresh=True).state in ACTIVE_STATES:
-            if time.monotonic() > deadline:
-                return False
+        active = list(jobs)
+        while True:
+            active = [job for job in active if self._status(job, fresh=True).state in ACTIVE_STATES]
+            if not active or time.monotonic() > deadline:
+                return active
             time.sleep(0.2)
-        return True
 
     def _forget_job(self, record: _SlurmJob) -> None:
         record.secrets_file.unlink(missing_ok=True)

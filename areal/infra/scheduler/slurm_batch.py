@@ -19,6 +19,11 @@ Quoting rules (every value in the script is quoted; expansion happens only on pu
   the container, before the worker command.
 * Secrets (the RPC token, ``SecretStr`` environment values) never enter the script: it
   sources a mode-0600 file written by the scheduler and deletes it at job start.
+
+When the controller itself runs in a Slurm job, the worker job records that job
+(``--comment=areal-controller=ID``) and its script runs a watcher beside the step that
+cancels the worker job once the controller's job is over, so a killed controller does
+not leave its workers holding nodes until their time limit.
 """
 
 from __future__ import annotations
@@ -39,12 +44,15 @@ from areal.infra.scheduler.exceptions import WorkerConfigurationError
 from areal.utils.secrets import SecretStr
 
 __all__ = [
+    "CONTROLLER_COMMENT",
+    "CONTROLLER_ENDED_STATES",
     "THREAD_VARS",
     "BatchJob",
     "SlurmResources",
     "batch_script",
     "binds",
     "container_command",
+    "controller_watcher",
     "gpu_selection",
     "inner_command",
     "memory_saver_env",
@@ -63,6 +71,22 @@ THREAD_VARS = (
     "OPENBLAS_NUM_THREADS",
     "VECLIB_MAXIMUM_THREADS",
     "NUMEXPR_NUM_THREADS",
+)
+
+# A worker job's --comment: the Slurm job id of the controller that submitted it.
+CONTROLLER_COMMENT = "areal-controller="
+# squeue states of a controller job that is over or ending; its worker jobs go with it.
+CONTROLLER_ENDED_STATES = (
+    "COMPLETED",
+    "COMPLETING",
+    "CANCELLED",
+    "FAILED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "PREEMPTED",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
 )
 
 # $$ (a literal dollar), ${NAME}, $NAME; anything else is literal text
@@ -302,6 +326,8 @@ class BatchJob:
     container_bin: Sequence[str]
     log_dir: Path
     secrets_file: Path | None = None
+    controller_job: str | None = None  # the controller's own Slurm job id: end with it
+    controller_poll: float = 10.0  # seconds between the watcher's squeue calls
 
     @property
     def role_log(self) -> Path:
@@ -401,7 +427,49 @@ def sbatch_options(job: BatchJob) -> list[str]:
             options.append(f"--{name}={_sbatch_value(value, name)}")
     if r.exclusive:
         options.append("--exclusive")
+    if job.controller_job is not None:
+        comment = CONTROLLER_COMMENT + job.controller_job
+        options.append(f"--comment={_sbatch_value(comment, 'controller job')}")
     return options
+
+
+def controller_watcher(job_id: str, poll: float) -> list[str]:
+    """Shell lines starting a background watcher that cancels this job (``scancel``, so
+    SIGTERM: workers shut down in order) once the controller's job ``job_id`` is over.
+
+    The job is over when squeue no longer knows it ("Invalid job id", or no line) or
+    lists it in one of ``CONTROLLER_ENDED_STATES``. Any other squeue failure (slurmctld
+    busy or unreachable) says nothing about the controller: the watcher keeps polling.
+    The watcher's pid is in ``$_areal_watcher``.
+    """
+    if not job_id.isdigit():  # it is written into the script unquoted
+        raise WorkerConfigurationError(f"controller job id {job_id!r} is not a number")
+    ended = "|".join(CONTROLLER_ENDED_STATES)
+    return [
+        f"# End with the controller: cancel this job once its Slurm job {job_id} is over.",
+        "_areal_watch_controller() {",
+        "    local out state",
+        f"    while sleep {poll:g}; do",
+        f"        if out=$(squeue -h -j {job_id} -o %T 2>&1); then",
+        '            read -r state <<< "$out"',
+        "        elif [[ \"$out\" == *'Invalid job id'* ]]; then",
+        "            state=''",
+        "        else",
+        "            continue  # no answer from slurmctld: the controller may well be alive",
+        "        fi",
+        '        case "$state" in',
+        f"            ''|{ended}) ;;",
+        "            *) continue ;;",
+        "        esac",
+        f'        echo "controller job {job_id} has ended '
+        '(${state:-no longer in the queue}); cancelling this worker job"',
+        '        scancel "$SLURM_JOB_ID"',
+        "        return",
+        "    done",
+        "}",
+        "_areal_watch_controller &",
+        "_areal_watcher=$!",
+    ]
 
 
 def _sed_prefix(role: str) -> str:
@@ -441,7 +509,16 @@ def batch_script(job: BatchJob) -> str:
         ">>",
         shlex.quote(str(job.merged_log)),
     ]
+    watched = job.controller_job is not None
+    if watched:
+        lines += controller_watcher(job.controller_job, job.controller_poll)
     lines.append(" \\\n    ".join(_wrap([*srun, *pipe])))
+    if watched:
+        lines += [
+            "_areal_status=$?",
+            'kill "$_areal_watcher" 2>/dev/null',
+            'exit "$_areal_status"',
+        ]
     return "\n".join(lines) + "\n"
 
 

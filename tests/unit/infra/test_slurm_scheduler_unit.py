@@ -2,14 +2,19 @@
 
 Generated shell is checked by running it: words through ``bash``, the GPU selection
 with a given ``$SLURM_LOCALID``, and a whole batch script with a fake ``srun`` and the
-container stand-in. The scheduler's fail-fast path runs against fake Slurm clients.
+container stand-in (or with fake ``squeue``/``scancel`` for the controller watcher). The
+scheduler's fail-fast path runs against fake Slurm clients, its check for jobs a dead
+controller left against a fake queue in place of ``SlurmScheduler._slurm``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import pwd
 import shlex
+import shutil
 import stat
 import subprocess
 import sys
@@ -38,6 +43,7 @@ from areal.infra.scheduler.slurm_batch import (
     batch_script,
     gpu_selection,
     plan_resources,
+    sbatch_options,
     secrets_file_text,
     shell_word,
     split_env,
@@ -348,6 +354,121 @@ def test_the_script_runs_with_a_fake_srun_and_the_container_stand_in(tmp_path):
     assert "tok-123" not in json.dumps(call) and "cred" not in json.dumps(call["argv"])
 
 
+# --- ending with the controller's Slurm job ---
+
+
+def test_a_controller_outside_slurm_adds_no_comment_and_no_watcher(tmp_path):
+    job = make_job(tmp_path, SchedulingSpec(cpu=1, mem=1, container_type="none"))
+    assert not [o for o in sbatch_options(job) if o.startswith("--comment")]
+    script = batch_script(job)
+    assert "squeue" not in script and "scancel" not in script and "_areal" not in script
+
+
+def test_a_controller_in_slurm_is_recorded_and_watched(tmp_path):
+    job = make_job(tmp_path, SchedulingSpec(cpu=1, mem=1, container_type="none"))
+    job = dataclasses.replace(job, controller_job="123", controller_poll=2.5)
+    assert sbatch_options(job)[-1] == "--comment=areal-controller=123"  # squeue -o %k
+    script = batch_script(job)
+    lines = script.splitlines()
+    assert "#SBATCH --comment=areal-controller=123" in lines
+    assert "    while sleep 2.5; do" in lines
+    assert "        if out=$(squeue -h -j 123 -o %T 2>&1); then" in lines
+    assert '        scancel "$SLURM_JOB_ID"' in lines
+    # the watcher starts before the step; the script ends with the step's status
+    started = lines.index("_areal_watch_controller &")
+    assert started < next(i for i, line in enumerate(lines) if line.startswith("srun "))
+    assert lines[-3:] == [
+        "_areal_status=$?",
+        'kill "$_areal_watcher" 2>/dev/null',
+        'exit "$_areal_status"',
+    ]
+    subprocess.run(["bash", "-n"], input=script, text=True, check=True)
+    if shutil.which("shellcheck"):  # SC1091: the secrets file is not there to follow
+        subprocess.run(["shellcheck", "-e", "SC1091", "-"], input=script, text=True, check=True)
+    with pytest.raises(WorkerConfigurationError, match="not a number"):
+        batch_script(dataclasses.replace(job, controller_job="1; rm -rf ~"))
+
+
+WATCHER_CLIENTS = {
+    # answers "RC|TEXT" lines in turn (TEXT on stdout if RC is 0, else on stderr), then
+    # repeats the last one
+    "squeue": textwrap.dedent(
+        """\
+        n=$(( $(cat "$FAKE_SLURM/count" 2>/dev/null || echo 0) + 1 ))
+        echo "$n" > "$FAKE_SLURM/count"
+        answer=$(sed -n "${n}p" "$FAKE_SLURM/answers")
+        [ -n "$answer" ] || answer=$(tail -n 1 "$FAKE_SLURM/answers")
+        if [ "${answer%%|*}" = 0 ]; then echo "${answer#*|}"; exit 0; fi
+        echo "${answer#*|}" >&2; exit 1
+        """
+    ),
+    "scancel": 'echo "$@" >> "$FAKE_SLURM/scancel.log"',
+    # the step runs until the job is cancelled (at most 20 s), then exits with 7
+    "srun": 'for _ in $(seq 200); do [ -e "$FAKE_SLURM/scancel.log" ] && break; sleep 0.1; '
+    "done; echo step over; exit 7",
+}
+UNREACHABLE = "1|slurm_load_jobs error: Unable to contact slurm controller (connect failure)"
+
+
+def run_watched_script(tmp_path: Path, answers: list[str], step: str | None = None):
+    """Run a batch script watching controller job 123 (as job 555), with fake clients."""
+    state = tmp_path / "fake-slurm"
+    bin_dir = tmp_path / "fake-bin"
+    for d in (state, bin_dir):
+        d.mkdir()
+    for name, body in {**WATCHER_CLIENTS, **({"srun": step} if step else {})}.items():
+        (bin_dir / name).write_text(f"#!/bin/bash\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    (state / "answers").write_text("\n".join(answers) + "\n")
+    job = make_job(tmp_path, SchedulingSpec(cpu=1, mem=1, container_type="none"))
+    job = dataclasses.replace(job, secrets_file=None, controller_job="123", controller_poll=0.1)
+    job.log_dir.mkdir()
+    result = subprocess.run(
+        ["bash", "-c", batch_script(job)],
+        env={
+            "PATH": f"{bin_dir}:{os.environ['PATH']}",
+            "FAKE_SLURM": str(state),
+            "SLURM_JOB_ID": "555",
+        },
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    calls = int((state / "count").read_text()) if (state / "count").exists() else 0
+    scancel = state / "scancel.log"
+    return result, calls, scancel.read_text() if scancel.exists() else None
+
+
+@pytest.mark.parametrize(
+    ("answers", "ended"),
+    [
+        # slurmctld away, then the job still runs: keep polling; then Slurm forgot it
+        (
+            [UNREACHABLE, "0|RUNNING", "1|slurm_load_jobs error: Invalid job id specified"],
+            "no longer in the queue",
+        ),
+        (["0|PENDING", "0|CANCELLED"], "CANCELLED"),
+        (["0|RUNNING", "0|NODE_FAIL"], "NODE_FAIL"),
+        (["0|RUNNING", "0|"], "no longer in the queue"),  # squeue lists it no more
+    ],
+)
+def test_the_watcher_cancels_the_job_once_the_controller_job_is_over(tmp_path, answers, ended):
+    result, calls, scancel = run_watched_script(tmp_path, answers)
+    assert scancel == "555\n"  # this job, with scancel's default SIGTERM
+    assert calls == len(answers)  # one squeue per poll, none after the cancel
+    assert f"controller job 123 has ended ({ended}); cancelling this worker job" in result.stdout
+    assert result.returncode == 7  # the step's status
+
+
+def test_the_watcher_never_cancels_while_squeue_fails_or_the_controller_runs(tmp_path):
+    # the step ends by itself after ~1 s (10 polls): the watcher is stopped, not left behind
+    step = "sleep 1; exit 3"
+    result, calls, scancel = run_watched_script(tmp_path, [UNREACHABLE, "0|RUNNING"], step)
+    assert scancel is None and "has ended" not in result.stdout
+    assert calls >= 3
+    assert result.returncode == 3
+
+
 # --- capacity of the partition ---
 
 NODES = ["n1|8|64000|gpu:8", "n2|8|64000|gpu:h200:8(S:0-1)", "n3|4+|16000|(null)"]
@@ -392,7 +513,8 @@ def test_capacity_problem_compares_the_request_with_every_node():
 
 FAKE_CLIENTS = {
     "sbatch": 'echo "$@" >> "$FAKE_SLURM/sbatch.log"; echo 4242',
-    "squeue": 'cat "$FAKE_SLURM/squeue"',
+    # squeue -u (jobs a dead controller left): none
+    "squeue": 'if [ "$2" = -u ]; then exit 0; fi; cat "$FAKE_SLURM/squeue"',
     "scancel": 'echo "$@" >> "$FAKE_SLURM/scancel.log"; '
     'echo "CANCELLED|None|n1|debug" > "$FAKE_SLURM/squeue"',
     "sinfo": 'cat "$FAKE_SLURM/sinfo"',
@@ -498,3 +620,191 @@ def test_config_secrets_reach_workers_through_the_secrets_file_only(fake_slurm, 
     assert "admin-sentinel-42" not in (fake_slurm / "sbatch.log").read_text()
     sched.delete_workers()
     assert not list((sched.log_dir / ".secrets").glob("*.env"))  # removed at teardown
+
+
+def test_a_controller_in_slurm_records_its_job_in_every_worker_job(
+    fake_slurm, tmp_path, monkeypatch
+):
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    sched = SlurmScheduler(make_config(tmp_path))
+    spec = SchedulingSpec(cpu=1, mem=1, container_type="none")
+    sched.create_workers(Job("actor", 1, [spec]))
+    sched.controller_poll = 1.5
+    sched.create_workers(Job("rollout", 1, [spec]))
+    actor = (sched.log_dir / "actor.sh").read_text().splitlines()
+    rollout = (sched.log_dir / "rollout.sh").read_text().splitlines()
+    for lines in (actor, rollout):
+        assert "#SBATCH --comment=areal-controller=77" in lines
+        assert "        if out=$(squeue -h -j 77 -o %T 2>&1); then" in lines
+    assert "    while sleep 10; do" in actor  # the default poll
+    assert "    while sleep 1.5; do" in rollout
+    sched.delete_workers()
+
+    monkeypatch.delenv("SLURM_JOB_ID")
+    sched = SlurmScheduler(make_config(tmp_path))
+    sched.create_workers(Job("actor", 1, [spec]))
+    script = (sched.log_dir / "actor.sh").read_text()
+    assert "--comment" not in script and "squeue" not in script
+    sched.delete_workers()
+
+
+# --- jobs a dead controller of the same trial left ---
+
+
+def completed(args: tuple[str, ...], rc: int = 0, out: str = "", err: str = ""):
+    return subprocess.CompletedProcess(list(args), rc, out, err)
+
+
+class FakeQueue:
+    """Stands in for ``SlurmScheduler._slurm``: a queue of jobs (id -> name, comment,
+    state) that sbatch adds to and scancel ends; every call is recorded."""
+
+    def __init__(self, jobs: dict[str, tuple[str, str, str]]):
+        self.jobs = dict(jobs)
+        self.calls: list[tuple[str, ...]] = []
+        self.unreachable = False  # squeue -j fails as with slurmctld away
+        self.next_id = 100
+
+    def __call__(self, *args: str, check: bool = True, timeout: float = 30.0):
+        self.calls.append(args)
+        command, options = args[0], args[1:]
+        if command == "sbatch":  # the job's name and comment come from the script
+            lines = Path(args[-1]).read_text().splitlines()
+            sbatch = dict(
+                line.removeprefix("#SBATCH --").split("=", 1)
+                for line in lines
+                if line.startswith("#SBATCH --") and "=" in line
+            )
+            job_id, self.next_id = str(self.next_id), self.next_id + 1
+            self.jobs[job_id] = (sbatch["job-name"], sbatch.get("comment", "(null)"), "PENDING")
+            return completed(args, out=f"{job_id}\n")
+        if command == "scancel":
+            for job_id in options:
+                if job_id in self.jobs:
+                    name, comment, _ = self.jobs[job_id]
+                    self.jobs[job_id] = (name, comment, "CANCELLED")
+            return completed(args)
+        if command == "squeue" and "-u" in options:  # the active jobs, as squeue lists them
+            rows = [
+                f"{job_id}|{name}|{comment}|{state}"
+                for job_id, (name, comment, state) in self.jobs.items()
+                if state in ("PENDING", "RUNNING", "COMPLETING")
+            ]
+            return completed(args, out="".join(f"{row}\n" for row in rows))
+        if command == "squeue" and "-j" in options:  # is a controller's job over?
+            if self.unreachable:
+                return completed(args, 1, err="slurm_load_jobs error: Unable to contact")
+            job = self.jobs.get(options[options.index("-j") + 1])
+            if job is None:
+                return completed(args, 1, err="slurm_load_jobs error: Invalid job id specified")
+            return completed(args, out=f"{job[2]}\n")
+        if command == "squeue":  # the scheduler's own status query (--states=all)
+            job_id = next(o for o in options if o.startswith("--jobs=")).removeprefix("--jobs=")
+            return completed(args, out=f"{self.jobs[job_id][2]}|None|n1|debug\n")
+        raise AssertionError(f"unexpected Slurm call {args}")
+
+    def index(self, command: str, *options: str) -> int:
+        """Position of the first call of ``command`` with ``options`` (-1 if none)."""
+        for i, call in enumerate(self.calls):
+            if call[0] == command and all(o in call for o in options):
+                return i
+        return -1
+
+
+def leftover_queue(controller_state: str | None, comment: str = "areal-controller=7"):
+    """Two workers of trial exp/trial from controller job 7, and jobs of other trials."""
+    jobs = {
+        "11": ("exp_trial:actor", comment, "RUNNING"),
+        "12": ("exp_trial:rollout", comment, "PENDING"),
+        "13": ("exp_trial2:actor", "areal-controller=8", "RUNNING"),  # another trial
+        "14": ("exp_trial", "(null)", "RUNNING"),  # not named {exp}_{trial}:{role}
+    }
+    if controller_state is not None:
+        jobs["7"] = ("trainer", "(null)", controller_state)
+    return FakeQueue(jobs)
+
+
+CPU_SPEC = SchedulingSpec(cpu=1, mem=1, container_type="none")
+
+
+@pytest.mark.parametrize(
+    ("controller_state", "own_job", "how"),
+    [
+        (None, None, "no longer in the queue"),  # Slurm forgot the controller's job
+        ("COMPLETING", None, "COMPLETING"),
+        ("RUNNING", "7", "this controller's own job, in an earlier run"),
+    ],
+)
+def test_leftovers_of_an_ended_controller_are_cancelled_before_the_first_sbatch(
+    fake_slurm, tmp_path, monkeypatch, areal_logs, controller_state, own_job, how
+):
+    if own_job is None:
+        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    else:
+        monkeypatch.setenv("SLURM_JOB_ID", own_job)
+    sched = SlurmScheduler(make_config(tmp_path))
+    queue = leftover_queue(controller_state)
+    sched._slurm = queue
+    assert sched.create_workers(Job("actor", 1, [CPU_SPEC])) == ["actor/0"]
+
+    user = pwd.getpwuid(os.getuid()).pw_name  # the OS user, whose jobs squeue -u lists
+    assert queue.calls[0] == ("squeue", "-h", "-u", user, "-o", "%i|%j|%k|%T")
+    assert 0 < queue.index("scancel", "11", "12") < queue.index("sbatch")
+    assert queue.index("squeue", "-j", "7") == (-1 if own_job else 1)
+    assert [queue.jobs[i][2] for i in ("11", "12", "13", "14")] == [
+        "CANCELLED",
+        "CANCELLED",
+        "RUNNING",
+        "RUNNING",
+    ]
+    warnings = [r.getMessage() for r in areal_logs.records if r.levelname == "WARNING"]
+    [warning] = [w for w in warnings if "left by" in w]  # not the local-storage notes
+    assert warning == (
+        f"Trial exp/trial: cancelling Slurm job(s) 11, 12 left by controller job(s) 7 ({how})"
+    )
+    # the check runs once per scheduler
+    sched.create_workers(Job("rollout", 1, [CPU_SPEC]))
+    assert [c for c in queue.calls if c[0] == "squeue" and "-u" in c] == [queue.calls[0]]
+    sched.delete_workers()
+
+
+def test_leftovers_of_a_live_controller_stop_the_new_one(fake_slurm, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "9")  # in a Slurm job, but not the one that owns them
+    sched = SlurmScheduler(make_config(tmp_path))
+    queue = leftover_queue("RUNNING")
+    sched._slurm = queue
+    with pytest.raises(SchedulerError) as info:
+        sched.create_workers(Job("actor", 1, [CPU_SPEC]))
+    assert str(info.value) == (
+        "trial exp/trial already has Slurm job(s) 11, 12 of a controller that still runs "
+        "(Slurm job 7); `scancel 7` first, or choose another trial_name"
+    )
+    queue.unreachable = True  # squeue cannot tell: no guess either way
+    with pytest.raises(SchedulerError, match="cannot tell whether controller job 7 still runs"):
+        sched.create_workers(Job("actor", 1, [CPU_SPEC]))
+    assert queue.index("sbatch") == queue.index("scancel") == -1
+    assert sched.job_ids() == {}
+    assert list((sched.log_dir / ".secrets").glob("*.env")) == []
+
+    # once the user cancelled the other controller, the next try cancels its workers
+    queue.unreachable = False
+    queue.jobs["7"] = ("trainer", "(null)", "CANCELLED")
+    assert sched.create_workers(Job("actor", 1, [CPU_SPEC])) == ["actor/0"]
+    assert queue.index("scancel", "11", "12") < queue.index("sbatch")
+    sched.delete_workers()
+
+
+def test_leftovers_without_a_recorded_controller_stop_the_new_one(fake_slurm, tmp_path):
+    sched = SlurmScheduler(make_config(tmp_path))
+    queue = leftover_queue(None, comment="(null)")  # submitted by a controller outside Slurm
+    sched._slurm = queue
+    with pytest.raises(SchedulerError) as info:
+        sched.create_workers(Job("actor", 1, [CPU_SPEC]))
+    assert str(info.value) == (
+        "trial exp/trial already has Slurm job(s) 11, 12 from a controller that ran outside "
+        "Slurm, so whether it still runs cannot be told; if it is gone, run `scancel 11 12`, "
+        "otherwise choose another trial_name"
+    )
+    assert queue.index("sbatch") == queue.index("scancel") == -1
+    assert queue.jobs["11"][2] == "RUNNING"
+    sched.delete_workers()
