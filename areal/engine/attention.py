@@ -145,9 +145,20 @@ def _varlen_reads_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:
     one tiny call, compared against repeated key/value heads, settles it per device. Without
     it every key/value head is copied ``Hq / Hkv`` times per layer, forward and backward.
     """
-    # its own autograd context: the first caller may be inside no_grad or inference_mode
-    with torch.inference_mode(False), torch.enable_grad():
+    # Its own autograd context: the first caller may be inside no_grad or inference_mode, or
+    # inside an activation-checkpointed layer, whose saved-tensor hooks must not see the
+    # probe's tensors (the recomputation, which finds the answer cached, saves none of them,
+    # and checkpointing then fails on the count: "A different number of tensors was saved").
+    with (
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        torch.autograd.graph.saved_tensors_hooks(_keep, _keep),
+    ):
         return _probe_grouped_kv(device, dtype)
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
 def _probe_grouped_kv(device: torch.device, dtype: torch.dtype) -> bool:

@@ -344,3 +344,31 @@ def test_grouped_kv_probe_decides_and_runs_in_any_grad_mode(monkeypatch, grouped
         assert seen == [2 if grouped_ok else 4]
     finally:
         attention._varlen_reads_grouped_kv.cache_clear()
+
+
+def test_grouped_kv_probe_inside_a_checkpointed_layer_leaves_recomputation_alone(monkeypatch):
+    """The probe's first call comes from the first layer's forward, which activation
+    checkpointing (non-reentrant) runs under saved-tensor hooks; the recomputation finds the
+    answer cached. The probe's own tensors must not count among the layer's saved tensors,
+    or backward fails ("A different number of tensors was saved"), as it did on a GPU for
+    Qwen2-0.5B with gradient checkpointing."""
+    import areal.engine.attention as attention
+
+    def stand_in(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True):
+        return attention._packed_sdpa(q, k, v, cu_q, None)
+
+    monkeypatch.setattr(attention, "_VARLEN_ATTN", stand_in)
+    monkeypatch.setattr(attention, "_VARLEN_PARAMS", frozenset({"is_causal"}))
+    attention._varlen_reads_grouped_kv.cache_clear()
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        attention._varlen_reads_grouped_kv(x.device, x.dtype)
+        return (x.sin() * x).sum(-1)
+
+    try:
+        x = torch.randn(4, 8, requires_grad=True)
+        out = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+        out.sum().backward()
+        torch.testing.assert_close(x.grad, x.detach().cos() * x.detach() + x.detach().sin())
+    finally:
+        attention._varlen_reads_grouped_kv.cache_clear()
