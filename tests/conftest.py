@@ -135,12 +135,25 @@ def bailing_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_bailing_model(tmp_path_factory.mktemp("tiny-bailing"), seed=0)
 
 
-# GPU tests skip without CUDA; with CI set, any other skip fails (see tests/skip_policy.py).
+@pytest.fixture(scope="session")
+def bailing_tool_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Ling 3 checkpoint of ``bailing_model_dir``, fine-tuned offline (under a
+    minute on CPU) to answer claude-code Harness prompts with a Ling 3 ``submit`` call of 1
+    to 4 random digits: a random model never writes a tool call, so end-to-end runs over
+    Arena tool tasks need this one to show parsed calls and rewards that differ."""
+    from areal.utils.tiny_bailing import build_tool_calling_bailing_model
+
+    return build_tool_calling_bailing_model(tmp_path_factory.mktemp("tiny-bailing-tools"), seed=0)
+
+
+# Fixtures and hooks defined elsewhere: a local Arena server process on loopback (for the
+# submit scripts' Slurm tests); GPU tests skip without CUDA, and with CI set any other skip
+# fails (see tests/skip_policy.py); one single-node Slurm cluster per session, for every
+# module marked `slurm`.
+from tests.helpers.slurm_jobs import local_arena  # noqa: E402, F401
 from tests.skip_policy import (  # noqa: E402, F401
     pytest_collection_modifyitems,
     pytest_make_collect_report,
     pytest_runtest_makereport,
 )
-
-# One single-node Slurm cluster per session, for every module marked `slurm`.
 from tests.slurm_cluster import slurm_cluster  # noqa: E402, F401

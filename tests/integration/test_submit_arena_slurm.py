@@ -12,152 +12,34 @@ servers' greedy log-probs must equal the actor's on the same tokens
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import secrets
-import stat
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.helpers.slurm_jobs import Watch, assert_no_secret_leaked, submission
 from tests.slurm_cluster import SlurmCluster
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "swe" / "submit_arena.sh"
-STANDIN = REPO / "tests" / "fakes" / "container_standin.py"
 MINI_PROFILE = REPO / "examples" / "swe" / "arena_grpo_mini.yaml"
-
-
-@pytest.fixture
-def local_arena(tmp_path):
-    """A local Arena server process on loopback; yields (base URL, token)."""
-    from areal.utils.network import find_free_port, wait_healthy
-
-    port = find_free_port()
-    db = tmp_path / "arena" / "arena.db"
-    db.parent.mkdir()
-    process = subprocess.Popen(
-        [
-            *(sys.executable, "-m", "examples.swe.local_arena", "serve"),
-            *("--host", "127.0.0.1", "--port", str(port), "--db", str(db)),
-        ],
-        cwd=REPO,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_healthy(f"127.0.0.1:{port}", process, timeout=60, what="local Arena")
-        token_file = Path(f"{db}.token")
-        yield f"http://127.0.0.1:{port}", token_file.read_text().strip()
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-class Watch:
-    """What Slurm shows about every job while the run goes on, and every process argv."""
-
-    def __init__(self, cluster: SlurmCluster):
-        self.cluster = cluster
-        self.jobs: dict[str, str] = {}  # job id -> scontrol show job + batch script
-        self.argv: set[str] = set()
-
-    def sample(self) -> list[str]:
-        ids = self.cluster.job_ids()
-        for job in ids:
-            shown = self.cluster.client("scontrol", "show", "job", "--details", job, check=False)
-            script = self.cluster.client("scontrol", "write", "batch_script", job, "-", check=False)
-            self.jobs[job] = shown.stdout + script.stdout
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                with contextlib.suppress(OSError):
-                    cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-                    self.argv.add(cmdline.decode("utf-8", "replace"))
-        return ids
-
-    def until_idle(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.sample():
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"jobs still queued after {timeout}s: {self.cluster.job_ids()}"
-                )
-            time.sleep(0.5)
-
-
-def _files_containing(root: Path, needle: str) -> list[Path]:
-    found = []
-    for path in root.rglob("*"):
-        if path.is_file() and not path.is_symlink():
-            try:
-                if needle.encode() in path.read_bytes():
-                    found.append(path)
-            except OSError:
-                pass
-    return found
 
 
 def test_arena_grpo_mini_twin_trains_two_steps_on_slurm(
     slurm_cluster: SlurmCluster, tmp_path, tiny_model_dir, local_arena
 ):
-    base_url, arena_token = local_arena
-    admin_key = "sentinel-" + secrets.token_hex(12)
-    creds = tmp_path / "credentials.env"
-    creds.write_text(
-        f"export ARENA_OPENAPI_BASE={base_url}\n"
-        f"export ARENA_OPENAPI_TOKEN={arena_token}\n"
-        f"export ARENA_LLM_API_KEY={arena_token}\n"
-        f"export SWE_RL_ADMIN_API_KEY={admin_key}\n"
-    )
-    creds.chmod(stat.S_IRUSR | stat.S_IWUSR)
-    image = tmp_path / "areal.sif"
-    image.write_text("stand-in image\n")
-    fileroot = tmp_path / "fileroot"
-    fileroot.mkdir()
-    env = {
-        **{
-            k: v for k, v in os.environ.items() if not k.startswith(("ARENA_", "SWE_RL_", "AREAL_"))
-        },
-        **slurm_cluster.env,
-        "AREAL_DIR": str(REPO),
-        "CONFIG_PATH": str(MINI_PROFILE),
-        "ARENA_STREAM_ID": "arith-length",  # length-scored: rewards differ within a group
-        "AREAL_IMAGE": str(image),
-        "AREAL_PYTHON": sys.executable,
-        "MODEL_PATH": str(tiny_model_dir),
-        "AREAL_FILEROOT": str(fileroot),
-        "ARENA_CREDENTIALS_FILE": str(creds),
-        "AREAL_CONTROLLER_MOUNTS": f"{tmp_path}:{tmp_path}",
-        "AREAL_WORKER_MOUNTS": f"{tmp_path}:{tmp_path}",
-        "AREAL_CONTAINER_BIN": str(STANDIN),
-        "CONTAINER_STANDIN_LOG": str(tmp_path / "standin.jsonl"),
-        "ARENA_PREFLIGHT_MIN_TASKS": "0",  # a fresh local Arena has no finished tasks yet
-        "HF_HUB_OFFLINE": "1",
-    }
+    run = submission(tmp_path, slurm_cluster, local_arena, tiny_model_dir, MINI_PROFILE)
+    run.env["ARENA_STREAM_ID"] = "arith-length"  # length-scored: rewards differ within a group
+    fileroot = run.fileroot
     watch = Watch(slurm_cluster)
 
     # 1. --check-arena: the controller job validates and runs preflight, nothing more
-    env["TRIAL_NAME"] = "check"
-    done = subprocess.run(
-        ["bash", str(SCRIPT), "--check-arena"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    check_job = done.stdout.strip().splitlines()[-1].split(";")[0]
-    assert check_job.isdigit(), done.stdout
+    check_job = run.submit(SCRIPT, "--check-arena", trial="check")
     watch.until_idle(timeout=180)
-    submission = fileroot / "submissions" / "check"
-    log = (submission / f"controller-{check_job}.log").read_text()
-    report = json.loads((submission / "preflight.json").read_text())
+    log = run.controller_log("check", check_job)
+    report = json.loads((fileroot / "submissions" / "check" / "preflight.json").read_text())
     assert report, log
     assert all(r.get("ok", True) for r in (report if isinstance(report, list) else [report])), (
         report
@@ -165,16 +47,9 @@ def test_arena_grpo_mini_twin_trains_two_steps_on_slurm(
     assert set(watch.jobs) == {check_job}, watch.jobs  # no worker job was submitted
 
     # 2. the full run: the controller submits worker jobs and trains two steps
-    env["TRIAL_NAME"] = "train"
-    done = subprocess.run(
-        ["bash", str(SCRIPT)], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    train_job = done.stdout.strip().splitlines()[-1].split(";")[0]
+    train_job = run.submit(SCRIPT, trial="train")
     watch.until_idle(timeout=600)
-    controller_log = (
-        fileroot / "submissions" / "train" / f"controller-{train_job}.log"
-    ).read_text()
+    controller_log = run.controller_log("train", train_job)
     stats = next(fileroot.rglob("arena-grpo-mini/train/stats.jsonl"), None)
     assert stats is not None, controller_log[-4000:]
     rows = [json.loads(x) for x in stats.read_text().splitlines() if x.strip()]
@@ -196,8 +71,4 @@ def test_arena_grpo_mini_twin_trains_two_steps_on_slurm(
     assert slurm_cluster.job_ids() == []
 
     # 3. secrets: in no job script, scontrol output, argv, log or report
-    for secret in (admin_key, arena_token):
-        assert not [j for j, text in watch.jobs.items() if secret in text]
-        assert not [a for a in watch.argv if secret in a]
-        assert _files_containing(fileroot, secret) == []
-        assert _files_containing(slurm_cluster.root, secret) == []
+    assert_no_secret_leaked(run, watch, slurm_cluster)

@@ -23,6 +23,8 @@ from tests.unit.examples.test_submit_arena import read_calls, write_stub
 
 WRAPPER = SWE_DIR / "submit_arena_flash_v3.sh"
 DATASET = "examples/swe/dataset_configs/flash-v3-multi-stream.yaml"
+MINI_DATASET = "examples/swe/dataset_configs/flash-v3-mini-streams.yaml"
+MINI_YAML = "examples/swe/arena_flash_v3_mini.yaml"
 FLASH_YAML = "examples/swe/arena_flash_v3.yaml"
 
 # N_NODES -> (actor, rollout) layouts the wrapper picks.
@@ -51,6 +53,9 @@ KNOBS = (
     "ROLLOUT_IMAGE",
     "AWEX_ROOT",
     "FLASH_LINEAR_ATTENTION_ROOT",
+    "FLASH_V3_SHAPE",
+    "RECOVER_MODE",
+    "RECOVER_FREQ_STEPS",
 )
 # A stand-in for submit_arena.sh (the wrapper runs it with bash): NUL-separated records.
 SUBMIT_STUB = """#!/usr/bin/env bash
@@ -96,6 +101,7 @@ class Checkout:
         (swe / "dataset_configs").mkdir(parents=True)
         self.wrapper = Path(shutil.copy(WRAPPER, swe / WRAPPER.name))
         shutil.copy(REPO_ROOT / DATASET, self.dir / DATASET)
+        shutil.copy(REPO_ROOT / MINI_DATASET, self.dir / MINI_DATASET)
         (swe / "submit_arena.sh").write_text(SUBMIT_STUB)
         self.handoff = swe / "handoff"
         self.rollout_image = root / "images" / "sglang.sif"
@@ -479,3 +485,97 @@ def test_real_submission_gives_workers_the_flash_runtime(checkout, tmp_path, mon
     ]
     assert actor_spec.additional_bash_cmds == rollout_spec.additional_bash_cmds == prelude
     assert rollout_spec.image == str(checkout.rollout_image)
+
+
+# --- the CPU mini shape (FLASH_V3_SHAPE=cpu-mini): the profile's twin on one node ---
+
+MINI_PROFILE = [
+    "nodes=1",
+    "actor=megatron:(attn:d1p1t2c2|ffn:d2p1t1e2)",
+    "rollout=hf:d2p1t2",
+    "context=1024",
+    "max_tokens=1023",
+    "max_new_tokens=64",
+    "batch=2",
+    "samples=2",
+    "steps=2",
+    "concurrency=8",
+]
+
+
+def test_print_profile_for_the_cpu_mini_shape(checkout):
+    done = print_profile(checkout, FLASH_V3_SHAPE="cpu-mini", N_NODES="16")  # N_NODES unused
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == MINI_PROFILE
+
+
+def test_unknown_shape_exits_2(checkout):
+    done = print_profile(checkout, FLASH_V3_SHAPE="gpu-mini")
+    assert done.returncode == 2
+    assert "FLASH_V3_SHAPE must be 'nodes' or 'cpu-mini', got 'gpu-mini'" in done.stderr
+
+
+def test_cpu_mini_hands_off_the_twin_and_its_streams(checkout):
+    done = checkout.run("--check-arena", FLASH_V3_SHAPE="cpu-mini")
+    assert done.returncode == 0, done.stderr
+    argv, env = checkout.handed_off()
+    assert argv == ["--check-arena"]
+    areal_dir = str(checkout.dir.resolve())
+    assert env["CONFIG_PATH"] == f"{areal_dir}/{MINI_YAML}"
+    assert env["DATASET_CONFIG"] == f"{areal_dir}/{MINI_DATASET}"
+    assert (env["RECOVER_MODE"], env["RECOVER_FREQ_STEPS"]) == ("auto", "1")
+    assert env["ACTOR_MAX_TOKENS_PER_MB"] == "4096"
+
+
+def test_cpu_mini_composed_config_keeps_every_flash_mechanism(checkout, monkeypatch):
+    """What the CPU mini submission runs: awex updates, TP-2 servers colocated by fork on
+    the actor, a hybrid Megatron actor with c >= 2 and e >= 2, the ling3 parsers, two
+    Anthropic Streams with equal weights, a recover point every step, the budget rule."""
+    from areal.api.config.support import unsupported
+    from examples.swe.arena_config import load_arena_stream_configs
+
+    done = checkout.run(FLASH_V3_SHAPE="cpu-mini")
+    assert done.returncode == 0, done.stderr
+    _, env = checkout.handed_off()
+    for name in list(os.environ):
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("CONFIG_PATH", f"{REPO_ROOT}/{MINI_YAML}")
+    monkeypatch.setenv("DATASET_CONFIG", f"{REPO_ROOT}/{MINI_DATASET}")
+    for name, value in {
+        "AREAL_DIR": str(REPO_ROOT),
+        "AREAL_IMAGE": str(checkout.rollout_image),
+        "AREAL_PYTHON": "/opt/venv/bin/python",
+        "MODEL_PATH": "/shared/models/tiny-ling3",
+        "AREAL_FILEROOT": "/shared/fileroot",
+        "SWE_RL_ADMIN_API_KEY": "admin-key",
+        "ARENA_OPENAPI_BASE": "http://127.0.0.1:9",
+    }.items():
+        monkeypatch.setenv(name, value)
+    cfg, _ = load_expr_config(["--config", f"{REPO_ROOT}/{MINI_YAML}"], SWEPPOConfig)
+    assert unsupported(cfg) == []
+    assert cfg.scheduler.type == "slurm"
+    assert cfg.actor.weight_update_mode == "awex"
+    strategy = cfg.rollout.scheduling_strategy
+    assert (strategy.type, strategy.target, strategy.fork) == ("colocation", "actor", True)
+    rollout = ModelAllocation.from_str(cfg.rollout.backend).parallel
+    assert (rollout.dp_size, rollout.tp_size) == (2, 2)
+    actor = ModelAllocation.from_str(cfg.actor.backend)
+    assert actor.backend == "megatron"
+    assert actor.parallel.cp_size >= 2 and actor.parallel.ep_size >= 2
+    assert actor.parallel.world_size == rollout.dp_size * rollout.tp_size
+    agent = cfg.rollout.agent
+    assert (agent.tool_call_parser, agent.reasoning_parser) == ("ling3", "ling3")
+    streams = load_arena_stream_configs(cfg.econfig)
+    assert [s.llm_protocol for s in streams] == ["anthropic", "anthropic"]
+    assert [s.sampling_weight for s in streams] == [1.0, 1.0]
+    assert all(s.harness and s.expected_reward_ref.version for s in streams)
+    assert (cfg.recover.mode, cfg.recover.freq_steps) == ("auto", 1)
+    assert cfg.gconfig.max_tokens == cfg.sglang.context_length - 1 == 1023
+    assert (cfg.gconfig.reward_normalization, cfg.gconfig.drop_incomplete_group) == (True, True)
+    assert (cfg.train_dataset.batch_size, cfg.gconfig.n_samples, cfg.total_train_steps) == (
+        2,
+        2,
+        2,
+    )
