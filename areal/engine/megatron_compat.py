@@ -121,6 +121,7 @@ def apply_patches(bridge: Any = None) -> None:
         if getattr(bridge.hf_config, "num_experts", None):
             patch_moe_router_gemm()
             patch_bridge_expert_names(bridge)
+            patch_bridge_local_expert_loading(bridge)
         if getattr(getattr(bridge, "config", None), "multi_latent_attention", False):
             patch_mla_without_te()
         setattr(bridge, _BRIDGE_ADAPTED, True)
@@ -210,6 +211,47 @@ def _grouped_expert_names(bridge: Any, original: Any, model: Any, consider_ep: b
             prefix, index, linear = match.groups()
             names[local] = f"{prefix}.{linear}.weight{int(index) + offset}"
     return names
+
+
+def patch_bridge_local_expert_loading(bridge: Any) -> None:
+    """After mbridge's ``load_weights``, each rank loads its own local experts again.
+
+    mbridge tells expert weights by their local name (``...mlp.experts.linear_fc1...``,
+    grouped experts). Local ``SequentialMLP`` experts are named ``local_experts.{i}``, so
+    mbridge loads them as it loads attention weights: tensor-parallel rank 0 reads them and
+    scatters them over its tensor-parallel group. With expert parallelism over those ranks
+    (attention ``t`` > 1, experts ``etp`` 1, ``e`` > 1) the group's other ranks hold other
+    experts, and got rank 0's instead. Each rank then reads the experts it holds.
+    """
+    _may_patch("mbridge.core.bridge.Bridge.load_weights", ("mbridge",), required=True)
+    current = bridge.load_weights
+    if isinstance(current, functools.partial) and current.func is _load_weights_then_experts:
+        return
+    bridge.load_weights = functools.partial(_load_weights_then_experts, bridge, current)
+
+
+def _load_weights_then_experts(
+    bridge: Any, original: Any, models: list, weights_path: str, *args: Any, **kwargs: Any
+) -> None:
+    original(models, weights_path, *args, **kwargs)
+    mpu = bridge.mpu
+    if mpu.tp_size == 1 or mpu.ep_size == 1 or mpu.etp_size != 1:
+        return  # the scatter over t handed every rank its own experts
+    io = bridge._get_safetensor_io(weights_path)
+    for model in models:
+        state = model.state_dict()
+        names = {
+            local: name
+            for local, name in bridge._weight_name_mapping_mcore_local_to_global(model).items()
+            if ".mlp.experts.local_experts." in local and "_extra_state" not in local
+        }
+        for local, name in names.items():
+            hf_names = bridge._weight_name_mapping_mcore_to_hf(name)
+            tensors = io.load_some_hf_weight(hf_names)
+            weight = bridge._weight_to_mcore_format(local, [tensors[n] for n in hf_names])
+            param = state[local]
+            with torch.no_grad():
+                param.copy_(weight.to(param.device, dtype=param.dtype))
 
 
 # --- megatron-core: the MoE router without Transformer Engine ---

@@ -383,10 +383,19 @@ def two_rank_runs(bailing_model_dir, tmp_path_factory):
         "e2": run_ranks(
             bailing_model_dir, out / "e2.pt", "megatron:(attn:d2t1p1|ffn:d1t1p1e2)", train=True
         ),
+        # experts split over the ranks of the attention's tensor-parallel group: each rank
+        # must load its own experts (mbridge alone scattered rank 0's over the group)
+        "t2e2": run_ranks(
+            bailing_model_dir,
+            out / "t2e2.pt",
+            "megatron:(attn:d1t2p1|ffn:d1t1p1e2)",
+            train=False,
+            mb_tokens=1024,
+        ),
     }
 
 
-@pytest.mark.parametrize("layout", ["t2", "e2"])
+@pytest.mark.parametrize("layout", ["t2", "e2", "t2e2"])
 def test_two_ranks_score_like_hf_and_export_the_checkpoint(
     two_rank_runs, megatron_run, bailing_model_dir, layout
 ):
