@@ -11,6 +11,8 @@
 # Run from the repository root, with torch, transformers, flash-linear-attention,
 # megatron-core and mbridge importable (PYTHONPATH) and $OUT an output directory:
 #   OUT=/tmp/out bash bench/gpu_flash_v3_run.sh
+# (with the device tool: OUT=/tmp/fv3 FLASH_V3_PACK_TO=$OUT bash bench/gpu_flash_v3_run.sh, since
+# only 8 files come back)
 #
 # Every step runs under its own `timeout` and writes its whole output to $OUT/logs/<step>.log;
 # a failing or timed-out step does not stop the next. Time: FLASH_V3_BUDGET_S (default 500 s)
@@ -82,7 +84,9 @@ run_step() {
         echo "# $name, limit ${limit} s, started at $(date -u +%FT%TZ): $*"
         echo "# GPU before: $(gpu_memory)"
     } >"$log"
-    timeout --kill-after=15 "$limit" "$@" >>"$log" 2>&1
+    # SIGUSR1 at the limit: the benches print every thread's stack on it (faulthandler), so a
+    # step that hangs says where; whatever is left 15 s later is killed
+    timeout --signal=USR1 --kill-after=15 "$limit" "$@" >>"$log" 2>&1
     rc=$?
     local wall=$((SECONDS - began))
     echo "# exit status $rc after ${wall} s; GPU after: $(gpu_memory)" >>"$log"
@@ -403,5 +407,12 @@ else:
     print("  no result (see logs/long_seq.log)")
 print(f"wrote {os.path.join(out, 'summary.json')}")
 PY
+# The device tool brings back at most 8 files: FLASH_V3_PACK_TO gets the summary and one
+# archive of everything under $OUT.
+if [[ -n ${FLASH_V3_PACK_TO:-} ]]; then
+    mkdir -p "$FLASH_V3_PACK_TO" &&
+        cp "$OUT/summary.json" "$FLASH_V3_PACK_TO/" &&
+        tar czf "$FLASH_V3_PACK_TO/flash_v3_out.tar.gz" -C "$OUT" .
+fi
 echo "[$(elapsed) s] done; logs in $LOGS, results in $OUT"
 exit 0

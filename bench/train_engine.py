@@ -78,12 +78,14 @@ The longest sequence one GPU trains, one sequence a step, with the memory savers
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import functools
 import gc
 import json
 import os
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -512,6 +514,9 @@ def print_param_counts(shape: str) -> None:
 
 
 def main() -> None:
+    # SIGUSR1 prints every thread's stack (a step runner's timeout sends it before killing a
+    # run, so a run that hangs says where)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
