@@ -231,6 +231,8 @@ def test_flash_v3_mini_trains_one_step_with_megatron_on_one_gpu(tmp_path, tiny_m
     overrides = [
         "scheduler.type=local",
         "econfig.arena_base_url=local",
+        "cluster.n_gpus_per_node=1",
+        "actor.scheduling_spec.0.gpu=1",
         "actor.dtype=bfloat16",
         "sglang.dtype=bfloat16",
         "actor.weight_sync_check_tolerance=0.5",
