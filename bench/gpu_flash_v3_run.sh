@@ -14,6 +14,13 @@
 # (with the device tool: OUT=/tmp/fv3 FLASH_V3_PACK_TO=$OUT bash bench/gpu_flash_v3_run.sh, since
 # only 8 files come back)
 #
+# FLASH_V3_STEPS (default parity,ling3,long_seq) picks the parts to run; a part left out
+# passes its time on. FLASH_V3_FLA_AUTOTUNE (default quick) sets AREAL_FLA_AUTOTUNE for every
+# process (areal/engine/kda.py: fla's kernels keep two tuning candidates each; `full` for
+# fla's whole autotuning, minutes of compilation per process). FLASH_V3_TRITON_SEED names a
+# .tar.gz of an earlier run's Triton cache to start from; with FLASH_V3_PACK_TO the cache is
+# packed beside the outputs (triton_cache.tar.gz) when it is small enough to come back.
+#
 # Every step runs under its own `timeout` and writes its whole output to $OUT/logs/<step>.log;
 # a failing or timed-out step does not stop the next. Time: FLASH_V3_BUDGET_S (default 500 s)
 # for the whole run. Steps end at cumulative deadlines, so time a step leaves unused passes to
@@ -51,12 +58,22 @@ export TOKENIZERS_PARALLELISM=false
 # 16 heads of 64) are those the ling3-1b bench needs
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$SCRATCH/triton-cache}
 PY=${PYTHON:-python3}
+STEPS=${FLASH_V3_STEPS:-parity,ling3,long_seq}
+export AREAL_FLA_AUTOTUNE=${FLASH_V3_FLA_AUTOTUNE:-quick}
+want() { [[ ",$STEPS," == *",$1,"* ]]; }
+mkdir -p "$TRITON_CACHE_DIR"
+if [[ -n ${FLASH_V3_TRITON_SEED:-} ]]; then
+    tar xzf "$FLASH_V3_TRITON_SEED" -C "$TRITON_CACHE_DIR" &&
+        echo "Triton cache seeded from $FLASH_V3_TRITON_SEED: $(du -sh "$TRITON_CACHE_DIR" | cut -f1)"
+fi
 
 T0=$SECONDS
 elapsed() { echo $((SECONDS - T0)); }
 # seconds until the deadline $1 (counted from the start), never below 0
 until_deadline() {
-    local left=$(($1 - (SECONDS - T0)))
+    local deadline=$1 cap=$((BUDGET - SUMMARY_RESERVE))
+    ((deadline > cap)) && deadline=$cap
+    local left=$((deadline - (SECONDS - T0)))
     ((left < 0)) && left=0
     echo "$left"
 }
@@ -98,7 +115,7 @@ run_step() {
     return 0
 }
 
-echo "Flash V3 GPU run: budget ${BUDGET} s, output $OUT"
+echo "Flash V3 GPU run: budget ${BUDGET} s, parts $STEPS, AREAL_FLA_AUTOTUNE=$AREAL_FLA_AUTOTUNE, output $OUT"
 
 # --- 0. environment (versions, card) ---
 run_step env 60 "$PY" - <<'PY'
@@ -156,48 +173,68 @@ PYTEST=("$PY" -m pytest -p no:cacheprovider -p flash_v3_outcomes -v -s -rA --tb=
 LING3_MODEL=$SCRATCH/ling3-1b-model
 QWEN_MODEL=$SCRATCH/qwen2-0.5b-model
 LONGEST=1048576  # the search's last length, and the Qwen2 checkpoint's position limit
-DEADLINE=$PARITY
-LIMIT=$(until_deadline "$DEADLINE")
-# FSDP packed path first (the open item), then what shares its compiled kernels, then the
-# HF model (transformers' non-varlen call with a bfloat16 decay compiles kernels of its own)
-run_step parity_fsdp_kda_hf "$LIMIT" "${PARITY_ENV[@]}" "${PYTEST[@]}" \
-    --basetemp="$SCRATCH/pytest-fsdp" --junitxml="$OUT/parity/junit_fsdp_kda_hf.xml" \
-    "$TEST::test_fsdp_engine_packed_logprobs_match_one_sequence_at_a_time" \
-    "$TEST::test_packed_kda_forward_fla_matches_torch_path" \
-    "$TEST::test_chunked_kda_matches_fla_chunk_kda" \
-    "$TEST::test_hf_model_logprobs_with_fla_match_torch_fallback" &
-PIDS=($!)
-# two workers in turn (fla, then torch KDA): the first may take 60 % of the step
-WORKER_LIMIT=$((LIMIT * 60 / 100))
-((WORKER_LIMIT < 60)) && WORKER_LIMIT=60
-run_step parity_megatron "$LIMIT" "${PARITY_ENV[@]}" "BAILING_GPU_WORKER_TIMEOUT=$WORKER_LIMIT" \
-    "${PYTEST[@]}" --basetemp="$SCRATCH/pytest-megatron" \
-    --junitxml="$OUT/parity/junit_megatron.xml" \
-    "$TEST::test_megatron_bridge_with_fla_matches_torch_kda_and_hf" &
-PIDS+=($!)
+PIDS=()
+if want parity; then
+    DEADLINE=$PARITY
+    LIMIT=$(until_deadline "$DEADLINE")
+    # FSDP packed path first (the open item), then what shares its compiled kernels, then the
+    # HF model (transformers' non-varlen call with a bfloat16 decay compiles kernels of its own)
+    run_step parity_fsdp_kda_hf "$LIMIT" "${PARITY_ENV[@]}" "${PYTEST[@]}" \
+        --basetemp="$SCRATCH/pytest-fsdp" --junitxml="$OUT/parity/junit_fsdp_kda_hf.xml" \
+        "$TEST::test_fsdp_engine_packed_logprobs_match_one_sequence_at_a_time" \
+        "$TEST::test_packed_kda_forward_fla_matches_torch_path" \
+        "$TEST::test_chunked_kda_matches_fla_chunk_kda" \
+        "$TEST::test_hf_model_logprobs_with_fla_match_torch_fallback" &
+    PIDS+=($!)
+    # two workers in turn (fla, then torch KDA): the first may take 60 % of the step
+    WORKER_LIMIT=$((LIMIT * 60 / 100))
+    ((WORKER_LIMIT < 60)) && WORKER_LIMIT=60
+    run_step parity_megatron "$LIMIT" "${PARITY_ENV[@]}" \
+        "BAILING_GPU_WORKER_TIMEOUT=$WORKER_LIMIT" "${PYTEST[@]}" \
+        --basetemp="$SCRATCH/pytest-megatron" --junitxml="$OUT/parity/junit_megatron.xml" \
+        "$TEST::test_megatron_bridge_with_fla_matches_torch_kda_and_hf" &
+    PIDS+=($!)
+else
+    LIMIT=${FLASH_V3_BUILD_S:-150}
+fi
 # CPU only: the benches' random checkpoints (a bench builds its own if this is cut short)
-# shellcheck disable=SC2016  # the inner script expands its own arguments
-run_step build_checkpoints "$LIMIT" bash -c '"$0" bench/train_engine.py --build-only \
-    --shape ling3-1b --model-dir "$1" && "$0" bench/train_engine.py --build-only \
-    --shape qwen2-0.5b --model-dir "$2" --max-position-embeddings "$3"' \
-    "$PY" "$LING3_MODEL" "$QWEN_MODEL" "$LONGEST" &
-PIDS+=($!)
-wait "${PIDS[@]}"
+# shellcheck disable=SC2317  # run through `bash -c` (timeout runs commands, not functions)
+build_checkpoints() {
+    if want ling3; then
+        "$PY" bench/train_engine.py --build-only --shape ling3-1b --model-dir "$LING3_MODEL" ||
+            return
+    fi
+    if want long_seq; then
+        "$PY" bench/train_engine.py --build-only --shape qwen2-0.5b --model-dir "$QWEN_MODEL" \
+            --max-position-embeddings "$LONGEST"
+    fi
+}
+export -f build_checkpoints want
+export PY STEPS LING3_MODEL QWEN_MODEL LONGEST
+if want ling3 || want long_seq; then
+    run_step build_checkpoints "$LIMIT" bash -c build_checkpoints &
+    PIDS+=($!)
+fi
+((${#PIDS[@]})) && wait "${PIDS[@]}"
+want parity || DEADLINE=$((SECONDS - T0))
 
 # --- 2. issue 33 throughput: ~1.2B Ling 3, FSDP then Megatron ---
-LING3_ARGS=(bench/train_engine.py --shape ling3-1b --steps 2 --warmup 1 --sequences 8
-    --max-len 4096 --model-dir "$LING3_MODEL")
-DEADLINE=$((DEADLINE + LING3_FSDP))
-run_step ling3_fsdp "$(until_deadline "$DEADLINE")" "$PY" "${LING3_ARGS[@]}" --engines fsdp \
-    --out "$OUT/train_engine_ling3-1b_fsdp.json"
-DEADLINE=$((DEADLINE + LING3_MEGATRON))
-run_step ling3_megatron "$(until_deadline "$DEADLINE")" "$PY" "${LING3_ARGS[@]}" \
-    --engines megatron --out "$OUT/train_engine_ling3-1b_megatron.json"
+if want ling3; then
+    LING3_ARGS=(bench/train_engine.py --shape ling3-1b --steps 2 --warmup 1 --sequences 8
+        --max-len 4096 --model-dir "$LING3_MODEL")
+    DEADLINE=$((DEADLINE + LING3_FSDP))
+    run_step ling3_fsdp "$(until_deadline "$DEADLINE")" "$PY" "${LING3_ARGS[@]}" \
+        --engines fsdp --out "$OUT/train_engine_ling3-1b_fsdp.json"
+    DEADLINE=$((DEADLINE + LING3_MEGATRON))
+    run_step ling3_megatron "$(until_deadline "$DEADLINE")" "$PY" "${LING3_ARGS[@]}" \
+        --engines megatron --out "$OUT/train_engine_ling3-1b_megatron.json"
+fi
 
 # --- 3. issue 34: the longest Qwen2-0.5B sequence at c1 ---
 # A driver starts one bench process per length (an OOM cannot poison the next) and stops at
 # the first failure, at the first OOM, or when the next length would not finish in time
 # (predicted from the last run: fixed start-up cost plus steps scaled by the FLOP count).
+if want long_seq; then
 DEADLINE=$((BUDGET - SUMMARY_RESERVE))
 LIMIT=$(until_deadline "$DEADLINE")
 run_step long_seq "$LIMIT" env "FLASH_V3_LONG_DEADLINE_S=$((LIMIT - 5))" \
@@ -307,6 +344,7 @@ else:
 save()
 print(f"longest trained: {summary['longest_trained']}; stopped: {summary['stopped']}")
 PY
+fi
 
 # --- 4. summary ---
 echo
@@ -413,6 +451,13 @@ if [[ -n ${FLASH_V3_PACK_TO:-} ]]; then
     mkdir -p "$FLASH_V3_PACK_TO" &&
         cp "$OUT/summary.json" "$FLASH_V3_PACK_TO/" &&
         tar czf "$FLASH_V3_PACK_TO/flash_v3_out.tar.gz" -C "$OUT" .
+    # the compiled and tuned kernels, to seed a later run (FLASH_V3_TRITON_SEED)
+    tar czf "$SCRATCH/triton_cache.tar.gz" -C "$TRITON_CACHE_DIR" . &&
+        if (($(stat -c %s "$SCRATCH/triton_cache.tar.gz") < 15 * 1024 * 1024)); then
+            cp "$SCRATCH/triton_cache.tar.gz" "$FLASH_V3_PACK_TO/"
+        else
+            echo "Triton cache too large to come back: $(du -h "$SCRATCH/triton_cache.tar.gz")"
+        fi
 fi
 echo "[$(elapsed) s] done; logs in $LOGS, results in $OUT"
 exit 0

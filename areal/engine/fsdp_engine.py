@@ -554,7 +554,7 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
                     if rank0:
                         state[name] = copied[key]
                     continue
-                full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+                full = _gathered(tensor)
                 if not rank0:
                     continue
                 if dtype is not None and full.is_floating_point():
@@ -642,9 +642,7 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
     def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
         """HF-named full parameters, one at a time (a collective on every rank)."""
         for name, param in self.model.named_parameters():
-            tensor = param.data
-            full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-            yield name, full
+            yield name, _gathered(param)
 
     # --- housekeeping ---
 
@@ -671,3 +669,19 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             "allocated_gb": torch.cuda.memory_allocated() / 2**30,
             "max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
         }
+
+
+def _gathered(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole of a (possibly distributed) tensor, a collective over its mesh.
+
+    A DTensor on a mesh of one rank, or replicated on every rank, already holds all of it
+    locally: its local tensor is returned without a redistribution, which costs ~0.25 ms
+    of Python per parameter (for a ~300-tensor model, most of an in-place weight update).
+    """
+    if not hasattr(tensor, "full_tensor"):
+        return tensor
+    if tensor.device_mesh.size() == 1 or all(p.is_replicate() for p in tensor.placements):
+        # the local tensor itself: to_local() is an autograd function costing as much again
+        local = getattr(tensor, "_local_tensor", None)
+        return (tensor.to_local() if local is None else local).detach()
+    return tensor.full_tensor()

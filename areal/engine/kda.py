@@ -20,15 +20,26 @@ model code calls: on CUDA, with flash-linear-attention installed, it runs that p
 varlen ``chunk_kda`` Triton kernel (forward and backward); otherwise :func:`chunked_kda`.
 Both the FSDP engine's packed forward of transformers' layers
 (:mod:`areal.models.bailing_packed`) and the Megatron bridge's KDA layer go through it.
+
+flash-linear-attention autotunes each Triton kernel on its first call, compiling every
+candidate configuration: for KDA's forward and backward that is a few hundred compilations,
+minutes of CPU before the first training step. ``AREAL_FLA_AUTOTUNE=quick`` (read when the
+kernels are first used; :func:`limit_fla_autotuning`) keeps two candidates per kernel, for
+correctness checks and short benchmarks; the default ``full`` leaves fla's tuning alone.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
+import os
+import sys
 
 import torch
 from torch.nn import functional
+
+from areal.utils import logging
 
 __all__ = [
     "KDA_CHUNK",
@@ -37,6 +48,7 @@ __all__ = [
     "kda_delta_rule",
     "kda_forget_gate",
     "l2_normalize",
+    "limit_fla_autotuning",
     "packed_causal_conv1d",
     "segment_positions",
 ]
@@ -224,6 +236,9 @@ def kda_delta_rule(
     if q.is_cuda and fla_available():
         from fla.ops.kda import chunk_kda
 
+        if os.environ.get(FLA_AUTOTUNE_ENV, "full") == "quick":
+            limit_fla_autotuning()
+
         out_dtype = q.dtype
         dtype = compute_dtype or _fla_compute_dtype((q, k, v, beta))
         q, k, v, beta = (t.to(dtype).contiguous() for t in (q, k, v, beta))
@@ -239,3 +254,54 @@ def kda_delta_rule(
         )
         return out[0].to(out_dtype)
     return chunked_kda(q, k, v, g, beta, cu_seqlens)
+
+
+FLA_AUTOTUNE_ENV = "AREAL_FLA_AUTOTUNE"
+logger = logging.getLogger("engine.kda")
+
+
+def limit_fla_autotuning(keep: int = 2) -> int:
+    """Cut every imported flash-linear-attention kernel's autotuning candidates to ``keep``:
+    the one nearest 4 warps and 2 pipeline stages, with the largest blocks, then the first
+    of fla's own list (a fallback: a candidate that does not fit the GPU is skipped by
+    Triton's autotuner). Kernels already tuned keep their choice. Returns how many kernels
+    were cut; idempotent. Used by ``AREAL_FLA_AUTOTUNE=quick``."""
+    cut = 0
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == "fla" or name.startswith("fla.")):
+            continue
+        for value in list(vars(module).values()):
+            tuner = _autotuner_of(value)
+            if tuner is None or getattr(tuner, "_areal_limited", False):
+                continue
+            configs = list(tuner.configs)
+            if len(configs) > keep:
+                ranked = sorted(configs, key=_config_rank)
+                chosen = ranked[:1] + [c for c in configs if c is not ranked[0]][: keep - 1]
+                tuner.configs = chosen
+                cut += 1
+            tuner._areal_limited = True
+    if cut:
+        logger.info(
+            "%s=quick: cut %d fla kernels to %d tuning candidates", FLA_AUTOTUNE_ENV, cut, keep
+        )
+    return cut
+
+
+def _autotuner_of(value: object) -> object | None:
+    """The Triton autotuner behind a kernel object (under ``triton.heuristics`` wrappers),
+    or None for anything else."""
+    for _ in range(4):
+        if value is None or isinstance(value, type):
+            return None
+        if any(cls.__name__ == "Autotuner" for cls in type(value).__mro__):
+            return value if hasattr(value, "configs") else None
+        value = getattr(value, "fn", None)
+    return None
+
+
+def _config_rank(config: object) -> tuple:
+    warps = getattr(config, "num_warps", 4) or 4
+    stages = getattr(config, "num_stages", 2) or 2
+    blocks = sum(v for v in getattr(config, "kwargs", {}).values() if isinstance(v, int))
+    return (abs(math.log2(warps / 4)), abs(stages - 2), -blocks)

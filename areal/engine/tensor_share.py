@@ -44,30 +44,46 @@ _ALIGN = 16  # each tensor starts at a multiple of this many bytes of the flat t
 _DEVICE_ARG = 6  # the device's place in rebuild_cuda_tensor's arguments (torch >= 2.0)
 
 
-def flatten_bucket(named: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> dict:
+def flatten_bucket(
+    named: Iterable[tuple[str, torch.Tensor]],
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+) -> dict:
     """The ``flattened_bucket`` payload of ``named`` (copied once into a new flat tensor on
-    ``device``, in shared memory on CPU)."""
+    ``device``, in shared memory on CPU). With ``dtype`` every tensor is sent in that dtype,
+    converted as it is copied in (no intermediate copy); otherwise each keeps its own."""
     named = list(named)
     if not named:
         raise ValueError("a weight bucket needs at least one tensor")
-    starts, total = [], 0
-    for _, tensor in named:
-        starts.append(total)
-        total += _aligned(tensor.numel() * tensor.element_size())
+    dtypes = [dtype or tensor.dtype for _, tensor in named]
+    sizes = [t.numel() * d.itemsize for (_, t), d in zip(named, dtypes, strict=True)]
+    spans = [_aligned(n) for n in sizes]
+    total = sum(spans)
     if device.type == "cpu":
         torch_mp.set_sharing_strategy("file_system")  # before the memory is shared
         flat = torch.empty(total, dtype=torch.uint8).share_memory_()
     else:
         flat = torch.empty(total, dtype=torch.uint8, device=device)
+    # one dtype, one device: one split of the flat tensor, one multi-tensor copy
+    at_once = len(set(dtypes)) == 1 and all(t.device == flat.device for _, t in named)
+    if at_once:
+        itemsize = dtypes[0].itemsize
+        chunks = flat.view(dtypes[0]).split([span // itemsize for span in spans])
+        targets = [c[: t.numel()].view(t.shape) for c, (_, t) in zip(chunks, named, strict=True)]
+        with torch.no_grad():
+            torch._foreach_copy_(targets, [tensor for _, tensor in named])
+    starts = [0]
+    for span in spans[:-1]:
+        starts.append(starts[-1] + span)
     metadata = []
-    for (name, tensor), start in zip(named, starts, strict=True):
-        nbytes = tensor.numel() * tensor.element_size()
-        flat[start : start + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+    for (name, tensor), d, start, nbytes in zip(named, dtypes, starts, sizes, strict=True):
+        if not at_once:
+            flat[start : start + nbytes].view(d).view(tensor.shape).copy_(tensor)
         metadata.append(
             types.SimpleNamespace(
                 name=name,
                 shape=torch.Size(tensor.shape),
-                dtype=tensor.dtype,
+                dtype=d,
                 start_idx=start,
                 end_idx=start + nbytes,
                 numel=nbytes,
@@ -94,9 +110,15 @@ class SharedBuckets:
     def __init__(self) -> None:
         self._alive: list[torch.Tensor] = []
 
-    def share(self, named: Iterable[tuple[str, torch.Tensor]], device: torch.device) -> str:
-        """One ``flattened_bucket`` payload of ``named``; its flat tensor is kept alive."""
-        bucket = flatten_bucket(named, device)
+    def share(
+        self,
+        named: Iterable[tuple[str, torch.Tensor]],
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+    ) -> str:
+        """One ``flattened_bucket`` payload of ``named`` (sent in ``dtype``, when given);
+        its flat tensor is kept alive."""
+        bucket = flatten_bucket(named, device, dtype)
         if device.type == "cuda":
             torch.cuda.current_stream(device).synchronize()  # the server reads it at once
         self._alive.append(bucket["flattened_tensor"])

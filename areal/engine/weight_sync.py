@@ -195,12 +195,13 @@ class RolloutWeightSync:
         for name, full in self._weights_for_inference():
             nbytes = full.numel() * dtype.itemsize
             if bucket and size + nbytes > budget:
-                payloads.append(shared.share(bucket, self.device))
+                payloads.append(shared.share(bucket, self.device, dtype))
                 bucket, size = [], 0
-            bucket.append((name, full.detach().to(device=self.device, dtype=dtype)))
+            # converted to the sent dtype as the bucket copies it in
+            bucket.append((name, full.detach().to(device=self.device)))
             size += nbytes
         if bucket:
-            payloads.append(shared.share(bucket, self.device))
+            payloads.append(shared.share(bucket, self.device, dtype))
         return payloads
 
     def release_shared_weights(self) -> None:

@@ -544,6 +544,7 @@ class GenerationEngine(WeightUpdates):
             )
         if self.device.type == "cuda" and not self._released:
             self.model.to("cpu")
+            self._forget_weight_targets()
             torch.cuda.empty_cache()
         self._released = True
         self.stats["memory_releases"] += 1
@@ -552,6 +553,7 @@ class GenerationEngine(WeightUpdates):
     def _cmd_resume(self, tags: list[str] | None = None) -> dict[str, Any]:
         if self.device.type == "cuda" and self._released:
             self.model.to(self.device)
+            self._forget_weight_targets()
         self._released = False
         self.stats["memory_resumes"] += 1
         return {"success": True}

@@ -115,10 +115,21 @@ class WeightUpdates:
 
     def _weight_targets(self) -> dict[str, torch.Tensor]:
         """Every tensor a weight update may write, by name: the model's ``state_dict``
-        names, and its checkpoint's official names (slices of the same storage)."""
-        current = self.model.state_dict()
-        targets = dict(models.checkpoint_weights(self.model.config, current.items()))
-        return {**targets, **current}
+        names, and its checkpoint's official names (slices of the same storage).
+
+        Built once and kept (a ``state_dict`` walk costs milliseconds per update): updates
+        copy into these tensors in place. Whatever moves the model's tensors elsewhere
+        (releasing and resuming memory) calls :meth:`_forget_weight_targets`."""
+        cached = getattr(self, "_weight_targets_cache", None)
+        if cached is None:
+            current = self.model.state_dict()
+            targets = dict(models.checkpoint_weights(self.model.config, current.items()))
+            cached = self._weight_targets_cache = {**targets, **current}
+        return cached
+
+    def _forget_weight_targets(self) -> None:
+        """The model's tensors moved (``model.to``): :meth:`_weight_targets` looks again."""
+        self._weight_targets_cache = None
 
     def _load_tensors(self, state: dict[str, torch.Tensor], abort_all_requests: bool) -> None:
         """Copy ``state`` (all or part of the model's tensors, under either kind of name)
@@ -132,9 +143,8 @@ class WeightUpdates:
                 raise RequestError(f"shape mismatch for {name}: {tuple(tensor.shape)}")
         if abort_all_requests:
             self._abort_all("Abort in-flight requests (weight update)", include_waiting=False)
-        with torch.no_grad():
-            for name, tensor in state.items():
-                targets[name].copy_(tensor)
+        with torch.no_grad():  # one multi-tensor copy (per device and dtype pair)
+            torch._foreach_copy_([targets[name] for name in state], list(state.values()))
         if self._running:  # cached keys/values come from the old weights
             logger.info("weights updated with %d requests still running", len(self._running))
 
