@@ -26,7 +26,8 @@
   gradient norm is clipped and a non-finite norm skips the step.
 * Checkpoints: HF safetensors (gathered on rank 0, with the tokenizer) and torch DCP
   (sharded model, optimizer, LR schedule and RNG state). HF saves and weight updates use
-  the names of the checkpoint the model came from (Ling 3's official names).
+  the names of the checkpoint the model came from (Ling 3's official names); both live in
+  :mod:`areal.engine.fsdp_state`.
 * Weight sync to inference: over disk (every backend) or NCCL broadcast in buckets from
   rank 0 (GPU).
 """
@@ -34,8 +35,6 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,8 +45,9 @@ from areal.api.cli_args import TrainEngineConfig
 from areal.api.engine_api import InferenceEngine, TrainEngine
 from areal.api.io_struct import FinetuneSpec, WeightUpdateMeta
 from areal.engine.attention import packed_forward_kwargs, register_varlen_attention
-from areal.engine.checkpoint import CheckpointFormats, read_extra_state, write_extra_state
+from areal.engine.checkpoint import CheckpointFormats
 from areal.engine.context_parallel import ContextShard
+from areal.engine.fsdp_state import FSDPStateIO
 from areal.engine.logprobs import gather_logprobs, next_token_labels
 from areal.engine.optim import build_lr_scheduler, build_optimizer
 from areal.engine.train_common import (
@@ -62,10 +62,7 @@ from areal.engine.train_common import (
 )
 from areal.engine.weight_sync import RolloutWeightSync
 from areal.models import (
-    checkpoint_weights,
     enable_packed_sequences,
-    hf_state_dict,
-    save_pretrained,
 )
 from areal.utils import logging
 from areal.utils.packing import split_padded_tensor_dict_into_mb_list
@@ -142,7 +139,7 @@ def compile_decoder_layers(layers: list[nn.Module]) -> None:
         layer.forward = torch.compile(layer.forward, dynamic=True)
 
 
-class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
+class FSDPEngine(FSDPStateIO, CheckpointFormats, RolloutWeightSync, TrainEngine):
     def __init__(self, config: TrainEngineConfig):
         self.config = config
         self.module: PolicyModule | None = None
@@ -528,122 +525,6 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
     def get_version(self) -> int:
         return self._version
 
-    # --- checkpoints ---
-
-    def _full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """The HF-named full state dict in host memory on rank 0 (empty elsewhere);
-        collective.
-
-        One tensor at a time: gathered and cast to ``dtype`` on the device, then copied to
-        the host (a tensor that two names share, as tied embeddings do, is gathered and
-        copied once). Casting before the copy moves half the bytes of fp32 master weights
-        across, and the host never casts.
-        """
-        rank0 = dist.get_rank() == 0
-        state: dict[str, torch.Tensor] = {}
-        copied: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
-        with torch.no_grad():
-            for name, tensor in self.model.state_dict().items():
-                local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-                key = (
-                    local.untyped_storage().data_ptr(),
-                    local.storage_offset(),
-                    tuple(local.shape),
-                )
-                if key in copied:
-                    if rank0:
-                        state[name] = copied[key]
-                    continue
-                full = _gathered(tensor)
-                if not rank0:
-                    continue
-                if dtype is not None and full.is_floating_point():
-                    full = full.to(dtype)
-                host = (
-                    full.detach().to("cpu", copy=True)
-                    if full.device.type != "cpu"
-                    else full.detach().clone()
-                )
-                copied[key] = state[name] = host
-        return state
-
-    def _save_hf(self, path: str, tokenizer: Any = None) -> None:
-        state = self._full_state_dict(to_dtype(self.config.dtype))
-        if dist.get_rank() == 0:
-            Path(path).mkdir(parents=True, exist_ok=True)
-            save_pretrained(self.model, path, state_dict=state, source=self.config.path)
-            tokenizer = tokenizer or self.tokenizer
-            if tokenizer is not None:
-                tokenizer.save_pretrained(path)
-        dist.barrier(group=self._cpu_group)
-
-    def _save_dcp(self, path: str, with_optim: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model_state, optim_state = get_state_dict(
-            self.module, self.optimizer if with_optim and self.optimizer else []
-        )
-        state: dict[str, Any] = {"model": model_state}
-        if with_optim and self.optimizer is not None:
-            state["optim"] = optim_state
-        Path(path).mkdir(parents=True, exist_ok=True)
-        dcp.save(state, checkpoint_id=path)
-        write_extra_state(
-            path,
-            version=self._version,
-            lr_scheduler=self.lr_scheduler.state_dict() if self.lr_scheduler else None,
-        )
-        dist.barrier(group=self._cpu_group)
-
-    def _load_dcp(self, path: str, with_optim: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        optimizer = self.optimizer if with_optim and self.optimizer else []
-        model_state, optim_state = get_state_dict(self.module, optimizer)
-        state: dict[str, Any] = {"model": model_state}
-        if optimizer:
-            state["optim"] = optim_state
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(
-            self.module,
-            optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state.get("optim", {}),
-        )
-        extra = read_extra_state(path)
-        if extra is not None:
-            self._version = extra.get("version", self._version)
-            if self.lr_scheduler is not None and extra.get("lr_scheduler") is not None:
-                self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        dist.barrier(group=self._cpu_group)
-
-    def _load_hf(self, path: str) -> None:
-        from safetensors.torch import load_file
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        state: dict[str, torch.Tensor] = {}
-        for file in sorted(Path(path).glob("*.safetensors")):
-            state.update(load_file(str(file)))
-        if not state:
-            raise FileNotFoundError(f"no *.safetensors weights in {path}")
-        state = hf_state_dict(self.model.config, state)  # a checkpoint may use other names
-        set_model_state_dict(
-            self.model, state, options=StateDictOptions(full_state_dict=True, strict=False)
-        )
-
-    # --- weight sync ---
-
-    def _weights_for_inference(self) -> Iterator[tuple[str, torch.Tensor]]:
-        # under the names the inference server loaded from the checkpoint (SGLang's)
-        return checkpoint_weights(self.model.config, self._full_parameters())
-
-    def _full_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full parameters, one at a time (a collective on every rank)."""
-        for name, param in self.model.named_parameters():
-            yield name, _gathered(param)
-
     # --- housekeeping ---
 
     def export_stats(self) -> dict[str, float]:
@@ -669,19 +550,3 @@ class FSDPEngine(CheckpointFormats, RolloutWeightSync, TrainEngine):
             "allocated_gb": torch.cuda.memory_allocated() / 2**30,
             "max_allocated_gb": torch.cuda.max_memory_allocated() / 2**30,
         }
-
-
-def _gathered(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole of a (possibly distributed) tensor, a collective over its mesh.
-
-    A DTensor on a mesh of one rank, or replicated on every rank, already holds all of it
-    locally: its local tensor is returned without a redistribution, which costs ~0.25 ms
-    of Python per parameter (for a ~300-tensor model, most of an in-place weight update).
-    """
-    if not hasattr(tensor, "full_tensor"):
-        return tensor
-    if tensor.device_mesh.size() == 1 or all(p.is_replicate() for p in tensor.placements):
-        # the local tensor itself: to_local() is an autograd function costing as much again
-        local = getattr(tensor, "_local_tensor", None)
-        return (tensor.to_local() if local is None else local).detach()
-    return tensor.full_tensor()
