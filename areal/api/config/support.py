@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -366,6 +367,36 @@ def _batch_per_rank(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
         )
 
 
+# --- the cluster ---
+
+
+def _ray_scheduler(cfg: PPOConfig, layout: _Layout) -> Iterator[FieldError]:
+    scheduler = cfg.scheduler
+    if scheduler.type != "ray":
+        return
+    address = (scheduler.ray_address or os.environ.get("RAY_ADDRESS") or "").strip()
+    if not address:
+        yield FieldError(
+            "scheduler.ray_address",
+            "is unset and so is $RAY_ADDRESS; scheduler.type 'ray' uses a running Ray cluster "
+            "and never starts one: set scheduler.ray_address (or $RAY_ADDRESS) to the "
+            "cluster's address (its GCS as host:port, or 'auto' on one of its nodes)",
+        )
+    elif address == "local":
+        yield FieldError(
+            "scheduler.ray_address",
+            "'local' (here or in $RAY_ADDRESS) would start a new Ray cluster inside the "
+            "controller; give the address of a running cluster (GCS host:port or 'auto')",
+        )
+    if cfg.cluster.name_resolve.type != "nfs":
+        yield FieldError(
+            "cluster.name_resolve.type",
+            f"{cfg.cluster.name_resolve.type!r}: Ray workers register in 'nfs' records, as on "
+            "Slurm; set cluster.name_resolve.type: nfs with nfs_record_root on storage every "
+            "Ray node shares",
+        )
+
+
 CHECKS: tuple[Check, ...] = (
     _awex,
     _fsdp_tensor_parallel,
@@ -378,6 +409,7 @@ CHECKS: tuple[Check, ...] = (
     _consumer_batch,
     _xccl_layout,
     _batch_per_rank,
+    _ray_scheduler,
 )
 
 

@@ -405,7 +405,11 @@ class RolloutController:
                 # the scheduler saw the process exit: fail now, not after the health checks
                 if not self._stopping:
                     target = HealthTarget(ROLLOUT_WORKER, worker.address, worker.id)
-                    detail = f"its process exited with code {e.exit_code}"
+                    detail = (
+                        "its process died"
+                        if e.exit_code is None
+                        else f"its process exited with code {e.exit_code}"
+                    )
                     if e.logs.strip():
                         detail += f"; last log lines:\n{e.logs.strip()}"
                     self._on_health_failure(RolloutHealthError(target, 0, detail))

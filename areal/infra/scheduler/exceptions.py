@@ -32,13 +32,17 @@ class WorkerNotFoundError(SchedulerError):
 
 
 class WorkerFailedError(SchedulerError):
-    """A worker process exited; ``logs`` holds the tail of its output."""
+    """A worker process exited (``exit_code``) or died with no code to tell (None: e.g.
+    its Ray actor died); ``logs`` holds the tail of its output."""
 
     def __init__(self, worker_id: str, exit_code: int | None, logs: str = ""):
         self.worker_id = worker_id
         self.exit_code = exit_code
         self.logs = logs
-        message = f"worker {worker_id} exited with code {exit_code}"
+        if exit_code is None:
+            message = f"worker {worker_id} died"
+        else:
+            message = f"worker {worker_id} exited with code {exit_code}"
         if logs:
             message += f"; last log lines:\n{logs}"
         super().__init__(message)
