@@ -15,13 +15,13 @@ requests ``mem x 1024`` MB), and its actor asks for exactly that bundle.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
 from areal.api.cli_args import SchedulingSpec
-from areal.infra.scheduler.exceptions import SchedulerError, WorkerConfigurationError
+from areal.infra.scheduler.exceptions import SchedulerError
+from areal.infra.scheduler.node_layout import gpu_nodes
 
 __all__ = [
     "RAY_ADDRESS_ENV",
@@ -85,23 +85,7 @@ def plan_placement(
     bundle = worker_resources(spec)
     if spec.gpu <= 0:
         return RayPlacement(bundle, (RayBlock(0, replicas, "PACK"),))
-    if n_gpus_per_node <= 0:
-        raise WorkerConfigurationError(
-            f"role {role!r} asks for {spec.gpu} GPU(s) per worker but cluster.n_gpus_per_node "
-            "is 0; set it to the GPUs of one node of the Ray cluster"
-        )
-    if spec.gpu > n_gpus_per_node:
-        raise WorkerConfigurationError(
-            f"role {role!r}: a worker asks for {spec.gpu} GPUs but a node has "
-            f"{n_gpus_per_node} (cluster.n_gpus_per_node); a worker cannot span nodes"
-        )
-    nodes = math.ceil(spec.gpu * replicas / n_gpus_per_node)
-    if replicas % nodes:
-        raise WorkerConfigurationError(
-            f"role {role!r}: {replicas} workers x {spec.gpu} GPU(s) need {nodes} nodes of "
-            f"{n_gpus_per_node} GPUs, but {replicas} replicas cannot be spread evenly over "
-            f"{nodes} nodes; use a replica count divisible by {nodes}"
-        )
+    nodes = gpu_nodes(role, spec.gpu, replicas, n_gpus_per_node)
     per_node = replicas // nodes
     blocks = tuple(RayBlock(n * per_node, per_node, "STRICT_PACK") for n in range(nodes))
     return RayPlacement(bundle, blocks)

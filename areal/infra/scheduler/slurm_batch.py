@@ -29,7 +29,6 @@ not leave its workers holding nodes until their time limit.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import re
 import shlex
@@ -41,6 +40,7 @@ from areal.api.cli_args import SchedulingSpec
 from areal.api.config.scheduling import RPC_SERVER_CMD
 from areal.infra.rpc.secret_env import secrets_file_text
 from areal.infra.scheduler.exceptions import WorkerConfigurationError
+from areal.infra.scheduler.node_layout import gpu_nodes
 from areal.utils.secrets import SecretStr
 
 __all__ = [
@@ -165,23 +165,7 @@ def plan_resources(
     gres = 0
     nodes = 1
     if spec.gpu > 0:
-        if n_gpus_per_node <= 0:
-            raise WorkerConfigurationError(
-                f"role {role!r} asks for {spec.gpu} GPU(s) per worker but "
-                "cluster.n_gpus_per_node is 0"
-            )
-        if spec.gpu > n_gpus_per_node:
-            raise WorkerConfigurationError(
-                f"role {role!r}: a worker asks for {spec.gpu} GPUs but a node has "
-                f"{n_gpus_per_node} (cluster.n_gpus_per_node); a worker cannot span nodes"
-            )
-        nodes = math.ceil(spec.gpu * replicas / n_gpus_per_node)
-        if replicas % nodes:
-            raise WorkerConfigurationError(
-                f"role {role!r}: {replicas} workers x {spec.gpu} GPU(s) need {nodes} nodes of "
-                f"{n_gpus_per_node} GPUs, but {replicas} replicas cannot be spread evenly "
-                f"over {nodes} nodes; use a replica count divisible by {nodes}"
-            )
+        nodes = gpu_nodes(role, spec.gpu, replicas, n_gpus_per_node)
         gres = spec.gpu * (replicas // nodes)
     return SlurmResources(
         nodes=nodes,
