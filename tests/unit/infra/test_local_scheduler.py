@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -245,22 +246,34 @@ CONTROLLER = textwrap.dedent(
     ("mode", "sig"), [("wait", signal.SIGTERM), ("wait", signal.SIGINT), ("exit", None)]
 )
 def test_controller_exit_kills_its_workers(tmp_path, mode, sig):
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONFAULTHANDLER": "1"}
     env.pop(RPC_TOKEN_ENV, None)
-    controller = subprocess.Popen(
-        [sys.executable, "-c", CONTROLLER, str(tmp_path), mode],
-        cwd=REPO_ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    log = tmp_path / "controller.log"
+    with open(log, "w") as stderr:
+        controller = subprocess.Popen(
+            [sys.executable, "-c", CONTROLLER, str(tmp_path), mode],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
     try:
         pids = json.loads(controller.stdout.readline())
         assert len(pids) == 2 and all(alive(p) for p in pids.values())
         if sig is not None:
             controller.send_signal(sig)
-        controller.wait(timeout=30)
+        try:
+            controller.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            # where it hangs: every thread's stack (faulthandler on SIGABRT), in its log
+            controller.send_signal(signal.SIGABRT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                controller.wait(timeout=10)
+            pytest.fail(
+                f"the controller did not exit within 60 s of {sig!r}:\n"
+                + log.read_text(errors="replace")[-6000:]
+            )
         deadline = time.monotonic() + 10
         while any(alive(p) for p in pids.values()) and time.monotonic() < deadline:
             time.sleep(0.05)
