@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import shlex
 import socket
 import threading
 import time
@@ -42,7 +41,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from areal.api.cli_args import SchedulingSpec
-from areal.api.config.scheduling import RPC_SERVER_CMD
 from areal.infra.rpc.processes import read_log_tail
 from areal.infra.scheduler.exceptions import (
     SchedulerError,
@@ -173,14 +171,9 @@ class RayScheduler(RPCWorkerScheduler):
     ) -> list[str]:
         from ray.util.placement_group import placement_group
 
-        spec = specs[0]
-        if any(s != spec for s in specs[1:]):
-            raise WorkerConfigurationError(
-                f"role {role!r}: a role's workers share one placement layout on Ray, so the "
-                "replicas' scheduling specs must be equal"
-            )
-        cmd = shlex.split(spec.cmd or RPC_SERVER_CMD)
-        self._check_worker_cmd(cmd, role)
+        spec, cmd = self._uniform_spec(
+            role, specs, "a role's workers share one placement layout on Ray"
+        )
         self._refuse_taken_names(role, len(specs))
         if spec.additional_bash_cmds:
             logger.warning(

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import shlex
 import sys
 import threading
 import time
@@ -40,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from areal.api.cli_args import SchedulingSpec
+from areal.api.config.scheduling import RPC_SERVER_CMD
 from areal.api.scheduler_api import Job, Scheduler, Worker
 from areal.infra.rpc.client import RPCClient
 from areal.infra.rpc.loop import run_sync
@@ -294,6 +296,21 @@ class RPCWorkerScheduler(ForkedWorkers, Scheduler):
             for h in handles:
                 self._handles[h.id] = h
             self._roles[r.name] = r
+
+    @classmethod
+    def _uniform_spec(
+        cls, role: str, specs: list[SchedulingSpec], why: str
+    ) -> tuple[SchedulingSpec, list[str]]:
+        """The one spec of a role whose replicas must all be alike (``why``: the backend's
+        reason), and its checked worker command."""
+        spec = specs[0]
+        if any(s != spec for s in specs[1:]):
+            raise WorkerConfigurationError(
+                f"role {role!r}: {why}, so the replicas' scheduling specs must be equal"
+            )
+        cmd = shlex.split(spec.cmd or RPC_SERVER_CMD)
+        cls._check_worker_cmd(cmd, role)
+        return spec, cmd
 
     @staticmethod
     def _check_worker_cmd(cmd: list[str], role: str) -> None:

@@ -54,7 +54,6 @@ from areal.infra.rpc.processes import read_log_tail
 from areal.infra.rpc.secret_env import SECRET_ENV_PREFIX
 from areal.infra.scheduler.exceptions import (
     SchedulerError,
-    WorkerConfigurationError,
     WorkerCreationError,
     WorkerFailedError,
 )
@@ -200,13 +199,7 @@ class SlurmScheduler(RPCWorkerScheduler):
     def _start_role(
         self, role: str, specs: list[SchedulingSpec], colocate_with: WorkerRole | None
     ) -> list[str]:
-        spec = specs[0]
-        if any(s != spec for s in specs[1:]):
-            raise WorkerConfigurationError(
-                f"role {role!r}: one srun step starts every replica on Slurm, so the "
-                "replicas' scheduling specs must be equal"
-            )
-        self._check_worker_cmd(shlex.split(spec.cmd or RPC_SERVER_CMD), role)
+        spec, _ = self._uniform_spec(role, specs, "one srun step starts every replica on Slurm")
         self._clear_leftovers()
         pinned = self._nodes_of(colocate_with) if colocate_with is not None else None
         resources = plan_resources(spec, len(specs), self.n_gpus_per_node, role, pinned)
